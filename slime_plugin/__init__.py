@@ -1,0 +1,1 @@
+"""slime integration: weenv sandboxes for agentic RL rollouts."""

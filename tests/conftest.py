@@ -1,0 +1,5 @@
+"""Shared fixtures. Each area keeps its fixtures in tests/fixtures_<area>.py, loaded here."""
+
+pytest_plugins = [
+    "tests.fixtures_common",
+]

@@ -1,0 +1,212 @@
+"""Opening a layer: one speculative tail read, then random access to any file's bytes."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import zstandard
+
+from ._errors import (
+    EntryNotFoundError,
+    IntegrityError,
+    LayerFormatError,
+    LimitExceededError,
+    TruncatedLayerError,
+)
+from ._io import RandomAccessReader, read_exact
+from ._toc import (
+    DEFAULT_LIMITS,
+    FOOTER_SIZE,
+    SKIPPABLE_HEADER,
+    SKIPPABLE_TOC_MAGIC,
+    TOC,
+    Chunk,
+    Entry,
+    Footer,
+    Limits,
+    check_toc_digest,
+    decode_toc,
+    sha256,
+    validate_toc,
+)
+
+DEFAULT_TAIL_READ = 256 << 10
+
+
+def _decompress_exact(data: bytes, ulength: int, what: str, offset: int, path: str | None) -> bytes:
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=ulength)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{what} is not a valid zstd frame: {e}", path=path, offset=offset) from None
+    if len(out) != ulength:
+        raise IntegrityError(
+            f"{what} decompressed to {len(out)} bytes, expected {ulength}", path=path, offset=offset
+        )
+    return out
+
+
+def decode_chunk(chunk: Chunk, frame: bytes, *, path: str | None = None) -> bytes:
+    """Decompress one chunk's frame and verify its sha256; corrupted bytes are never returned."""
+    if len(frame) != chunk.length:
+        raise IntegrityError(
+            f"chunk frame has {len(frame)} bytes, TOC says {chunk.length}", path=path, offset=chunk.offset
+        )
+    data = _decompress_exact(frame, chunk.ulength, "chunk", chunk.offset, path)
+    if sha256(data) != chunk.digest:
+        raise IntegrityError("chunk sha256 mismatch", path=path, offset=chunk.offset)
+    return data
+
+
+def read_tail(reader: RandomAccessReader, limits: Limits = DEFAULT_LIMITS,
+              tail_read: int = DEFAULT_TAIL_READ) -> tuple[Footer, bytes]:
+    """Return the footer and the compressed TOC bytes, reading the blob's tail once (twice at most)."""
+    size = reader.size
+    if size < FOOTER_SIZE:
+        raise TruncatedLayerError(f"blob of {size} bytes is smaller than the {FOOTER_SIZE}-byte footer", offset=0)
+    first = min(size, max(tail_read, FOOTER_SIZE))
+    tail = read_exact(reader, size - first, first, "blob tail")
+    footer = Footer.unpack(tail[-FOOTER_SIZE:], size)
+    if footer.toc_length > limits.max_toc_bytes:
+        raise LimitExceededError(
+            f"TOC of {footer.toc_length} bytes exceeds the limit of {limits.max_toc_bytes}", offset=footer.toc_offset
+        )
+    if footer.toc_ulength > limits.max_toc_ubytes:
+        raise LimitExceededError(
+            f"decompressed TOC of {footer.toc_ulength} bytes exceeds the limit of {limits.max_toc_ubytes}",
+            offset=footer.toc_offset,
+        )
+    frame_start = footer.toc_offset
+    if frame_start >= size - first:
+        rel = frame_start - (size - first)
+        frame = tail[rel : len(tail) - FOOTER_SIZE]
+    else:
+        frame = read_exact(reader, frame_start, 8 + footer.toc_length, "TOC frame")
+    magic, length = SKIPPABLE_HEADER.unpack_from(frame)
+    if magic != SKIPPABLE_TOC_MAGIC or length != footer.toc_length:
+        raise LayerFormatError("footer does not point at a TOC frame", offset=frame_start)
+    return footer, frame[8:]
+
+
+class Layer:
+    """An opened layer: the validated TOC plus the reader it came from.
+
+    Thread-safe for reads as long as the reader is (``FileReader`` is).
+    """
+
+    def __init__(self, reader: RandomAccessReader, footer: Footer, toc: TOC):
+        self.reader = reader
+        self.footer = footer
+        self.toc = toc
+        self._index: dict[str, Entry] = {e.path: e for e in toc.entries}
+
+    @classmethod
+    def open(
+        cls,
+        reader: RandomAccessReader,
+        *,
+        expected_toc_digest: str | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        tail_read: int = DEFAULT_TAIL_READ,
+    ) -> "Layer":
+        """Read and verify the tail, decode and validate the TOC.
+
+        ``expected_toc_digest`` pins the TOC (``sha256:…``), as a plan lock or manifest annotation does.
+        """
+        footer, compressed = read_tail(reader, limits, tail_read)
+        check_toc_digest(compressed, footer, expected_toc_digest)
+        raw = _decompress_exact(compressed, footer.toc_ulength, "TOC", footer.toc_offset, None)
+        toc = decode_toc(raw, footer.toc_offset)
+        validate_toc(toc, footer.toc_offset, limits)
+        return cls(reader, footer, toc)
+
+    @property
+    def size(self) -> int:
+        return self.reader.size
+
+    @property
+    def toc_digest(self) -> str:
+        return self.footer.toc_digest
+
+    @property
+    def entries(self) -> list[Entry]:
+        return self.toc.entries
+
+    @property
+    def prefetch_end(self) -> int:
+        return self.toc.prefetch_end
+
+    def __contains__(self, path: str) -> bool:
+        return path in self._index
+
+    def entry(self, path: str) -> Entry:
+        """The entry at ``path`` (``a/b``, ``/a/b`` or ``./a/b``)."""
+        e = self._index.get(normalize_lookup(path))
+        if e is None:
+            raise EntryNotFoundError("no such entry in the layer", path=path)
+        return e
+
+    def content_entry(self, path: str) -> Entry:
+        """Like :meth:`entry`, but a hardlink resolves to the entry that holds the content."""
+        e = self.entry(path)
+        if e.type == "hardlink":
+            e = self._index[e.link]
+        return e
+
+    def chunks_for(self, entry: Entry, offset: int = 0, n: int | None = None) -> list[Chunk]:
+        """The chunks of ``entry`` that cover ``[offset, offset + n)``."""
+        end = entry.size if n is None else min(entry.size, offset + n)
+        return [c for c in entry.chunks if c.uoffset < end and c.uoffset + c.ulength > offset]
+
+    def iter_read(self, path: str, offset: int = 0, n: int | None = None) -> Iterator[bytes]:
+        """Yield the bytes of a file range, reading each run of adjacent chunks with one read_at."""
+        e = self.content_entry(path)
+        if e.type != "file":
+            raise LayerFormatError(f"{e.type} entry has no content to read", path=path)
+        end = e.size if n is None else min(e.size, offset + n)
+        if offset >= end:
+            return
+        chunks = self.chunks_for(e, offset, end - offset)
+        for run in _adjacent_runs(chunks):
+            start = run[0].offset
+            blob = read_exact(self.reader, start, run[-1].offset + run[-1].length - start, f"chunks of {path!r}")
+            for c in run:
+                data = decode_chunk(c, blob[c.offset - start : c.offset - start + c.length], path=e.path)
+                lo = max(offset, c.uoffset) - c.uoffset
+                hi = min(end, c.uoffset + c.ulength) - c.uoffset
+                yield data[lo:hi] if (lo, hi) != (0, c.ulength) else data
+
+    def read(self, path: str, offset: int = 0, n: int | None = None) -> bytes:
+        return b"".join(self.iter_read(path, offset, n))
+
+    def verify(self) -> None:
+        """Verify every chunk of every file; raise :class:`IntegrityError` naming the first bad path."""
+        for e in self.toc.entries:
+            if e.type == "file" and e.chunks:
+                h = None if len(e.chunks) == 1 else hashlib.sha256()
+                for part in self.iter_read(e.path):
+                    if h is not None:
+                        h.update(part)
+                digest = e.chunks[0].digest if h is None else h.digest()
+                if digest != e.digest:
+                    raise IntegrityError("file sha256 does not match its chunks", path=e.path)
+            elif e.type == "file" and e.digest != sha256(b""):
+                raise IntegrityError("empty file with a non-empty digest", path=e.path)
+
+
+def normalize_lookup(path: str) -> str:
+    p = path.strip("/")
+    while p.startswith("./"):
+        p = p[2:]
+    return p or "."
+
+
+def _adjacent_runs(chunks: list[Chunk], max_run_bytes: int = 16 << 20) -> Iterator[list[Chunk]]:
+    run: list[Chunk] = []
+    for c in chunks:
+        if run and (run[-1].offset + run[-1].length != c.offset or c.offset + c.length - run[0].offset > max_run_bytes):
+            yield run
+            run = []
+        run.append(c)
+    if run:
+        yield run

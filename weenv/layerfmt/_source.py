@@ -1,0 +1,283 @@
+"""Build inputs: a directory tree or a tar stream, read into a list of :class:`SourceEntry`.
+
+Both sources produce the same canonical description so the builder can order entries and assign
+hardlinks the same way whatever the input was; the same tree therefore gives the same blob.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import zstandard
+
+from ._errors import LayerInputError
+from ._toc import OPAQUE_NAME, WHITEOUT_PREFIX
+
+OVERLAY_XATTR_PREFIX = "trusted.overlay."
+# xattrs that describe the build host rather than the tree.
+_DROPPED_XATTR_PREFIXES = (OVERLAY_XATTR_PREFIX, "security.selinux", "system.")
+
+
+@dataclass
+class SourceEntry:
+    path: str  # canonical: "." for the root, else relative without "./" or trailing "/"
+    type: str  # file dir symlink char block fifo whiteout opaque (hardlinks are grouped by link_key)
+    mode: int = 0o644
+    uid: int = 0
+    gid: int = 0
+    mtime: int = 0
+    size: int = 0
+    link: str = ""  # symlink target
+    devmajor: int = 0
+    devminor: int = 0
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    opener: Callable[[], BinaryIO] | None = None  # content of regular files
+    link_key: object = None  # entries with the same key are hardlinks of one inode
+
+
+def keep_xattr(name: str) -> bool:
+    return not name.startswith(_DROPPED_XATTR_PREFIXES)
+
+
+def canonical_path(name: str, *, where: str) -> str:
+    """Normalize a tar or relative path; reject what could escape the root."""
+    if "\x00" in name:
+        raise LayerInputError("path contains a NUL byte", path=name)
+    if name.startswith("/"):
+        raise LayerInputError(f"absolute path in {where}", path=name)
+    parts = []
+    for part in name.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            raise LayerInputError(f"path with '..' in {where}", path=name)
+        parts.append(part)
+    try:
+        "/".join(parts).encode("utf-8")
+    except UnicodeEncodeError:
+        raise LayerInputError(f"path in {where} is not valid UTF-8", path=name) from None
+    return "/".join(parts) or "."
+
+
+# --------------------------------------------------------------------------------------- directory
+
+
+def _read_xattrs(path: str, rel: str) -> dict[str, bytes]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    out = {}
+    for name in sorted(names):
+        try:
+            out[name] = os.getxattr(path, name, follow_symlinks=False)
+        except OSError as e:
+            raise LayerInputError(f"cannot read xattr {name}: {e.strerror}", path=rel) from None
+    return out
+
+
+def scan_directory(root: str | os.PathLike[str], *, overlay_upper: bool = False) -> list[SourceEntry]:
+    """Describe the tree under ``root``.
+
+    With ``overlay_upper`` the tree is an overlayfs upper directory: char 0:0 devices become OCI
+    whiteouts and directories marked ``trusted.overlay.opaque=y`` get an opaque entry.
+    """
+    root = os.fspath(root)
+    try:
+        st = os.lstat(root)
+    except OSError as e:
+        raise LayerInputError(f"cannot read build source: {e.strerror}", path=root) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise LayerInputError("build source is not a directory", path=root)
+    out: list[SourceEntry] = []
+    _scan_one(root, ".", st, out, overlay_upper)
+    stack = [(root, "")]
+    while stack:
+        abs_dir, rel_dir = stack.pop()
+        try:
+            with os.scandir(abs_dir) as it:
+                names = sorted(it, key=lambda d: d.name)
+        except OSError as e:
+            raise LayerInputError(f"cannot list directory: {e.strerror}", path=rel_dir or ".") from None
+        subdirs = []
+        for d in names:
+            rel = f"{rel_dir}{d.name}"
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:
+                raise LayerInputError("file name is not valid UTF-8", path=os.fsencode(rel).decode("utf-8", "replace")) from None
+            try:
+                st = d.stat(follow_symlinks=False)
+            except OSError as e:
+                raise LayerInputError(f"cannot stat: {e.strerror}", path=rel) from None
+            if _scan_one(d.path, rel, st, out, overlay_upper) and stat.S_ISDIR(st.st_mode):
+                subdirs.append((d.path, rel + "/"))
+        stack.extend(reversed(subdirs))
+    return out
+
+
+def _scan_one(abs_path: str, rel: str, st: os.stat_result, out: list[SourceEntry], overlay_upper: bool) -> bool:
+    m = st.st_mode
+    base = dict(mode=stat.S_IMODE(m), uid=st.st_uid, gid=st.st_gid, mtime=int(st.st_mtime))
+    if overlay_upper and stat.S_ISCHR(m) and st.st_rdev == 0:
+        parent, _, name = rel.rpartition("/")
+        wpath = f"{parent}/{WHITEOUT_PREFIX}{name}" if parent else f"{WHITEOUT_PREFIX}{name}"
+        out.append(SourceEntry(wpath, "whiteout", mode=0, mtime=base["mtime"]))
+        return False
+    if rel != "." and rel.rpartition("/")[2].startswith(WHITEOUT_PREFIX):
+        raise LayerInputError("names starting with .wh. are reserved for OCI whiteouts", path=rel)
+    xattrs = {k: v for k, v in _read_xattrs(abs_path, rel).items() if keep_xattr(k) or k == "trusted.overlay.opaque"}
+    opaque = overlay_upper and xattrs.pop("trusted.overlay.opaque", b"") == b"y"
+    xattrs.pop("trusted.overlay.opaque", None)
+    link_key = (st.st_dev, st.st_ino) if st.st_nlink > 1 and not stat.S_ISDIR(m) else None
+    if stat.S_ISREG(m):
+        out.append(SourceEntry(rel, "file", size=st.st_size, xattrs=xattrs, link_key=link_key,
+                               opener=lambda p=abs_path: open(p, "rb", buffering=0), **base))
+    elif stat.S_ISDIR(m):
+        out.append(SourceEntry(rel, "dir", xattrs=xattrs, **base))
+        if opaque:
+            out.append(SourceEntry(f"{rel}/{OPAQUE_NAME}" if rel != "." else OPAQUE_NAME, "opaque",
+                                   mode=0, mtime=base["mtime"]))
+        return True
+    elif stat.S_ISLNK(m):
+        out.append(SourceEntry(rel, "symlink", link=os.readlink(abs_path), xattrs=xattrs, link_key=link_key, **base))
+    elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
+        out.append(SourceEntry(rel, "char" if stat.S_ISCHR(m) else "block", devmajor=os.major(st.st_rdev),
+                               devminor=os.minor(st.st_rdev), xattrs=xattrs, link_key=link_key, **base))
+    elif stat.S_ISFIFO(m):
+        out.append(SourceEntry(rel, "fifo", xattrs=xattrs, link_key=link_key, **base))
+    # sockets cannot be archived, as with tar
+    return False
+
+
+# --------------------------------------------------------------------------------------- tar
+
+
+class _SpoolSlice(io.RawIOBase):
+    def __init__(self, fd: int, offset: int, size: int):
+        self._fd, self._pos, self._end = fd, offset, offset + size
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            n = self._end - self._pos
+        n = min(n, self._end - self._pos)
+        data = os.pread(self._fd, n, self._pos) if n > 0 else b""
+        self._pos += len(data)
+        return data
+
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _decompressing(fileobj: BinaryIO) -> BinaryIO:
+    """Wrap a tar stream that may be gzip- or zstd-compressed (tarfile's r|* lacks zstd)."""
+    buffered = io.BufferedReader(fileobj) if not hasattr(fileobj, "peek") else fileobj
+    head = buffered.peek(4)[:4]
+    if head == ZSTD_MAGIC or (len(head) == 4 and head[0] & 0xF0 == 0x50 and head[1:] == b"\x2a\x4d\x18"):
+        return zstandard.ZstdDecompressor().stream_reader(buffered, read_across_frames=True)
+    return buffered
+
+
+def scan_tar(fileobj: BinaryIO, *, spool_dir: str | None = None) -> tuple[list[SourceEntry], BinaryIO]:
+    """Describe the entries of a tar / tar.gz / tar.zst stream (read once, front to back).
+
+    File contents are copied to an anonymous temp file (returned; close it after building) so the
+    builder can emit entries in canonical order. OCI whiteouts become whiteout/opaque entries.
+    Later entries for the same path replace earlier ones, as extraction would.
+    """
+    spool = tempfile.TemporaryFile(dir=spool_dir)
+    spool_fd = spool.fileno()
+    spool_pos = 0
+    by_path: dict[str, SourceEntry] = {}
+    hardlinks: list[tuple[SourceEntry, str]] = []
+    try:
+        tf = tarfile.open(fileobj=_decompressing(fileobj), mode="r|*")
+    except (tarfile.TarError, zstandard.ZstdError, OSError) as e:
+        spool.close()
+        raise LayerInputError(f"not a readable tar stream: {e}") from None
+    try:
+        for ti in tf:
+            path = canonical_path(ti.name, where="tar input")
+            name = path.rpartition("/")[2]
+            xattrs = {}
+            for k, v in sorted(ti.pax_headers.items()):
+                if k.startswith("SCHILY.xattr."):
+                    xname = k[len("SCHILY.xattr."):]
+                    if keep_xattr(xname):
+                        xattrs[xname] = v.encode("utf-8", "surrogateescape")
+            base = dict(mode=ti.mode & 0o7777, uid=ti.uid, gid=ti.gid, mtime=int(ti.mtime))
+            if name == OPAQUE_NAME:
+                e = SourceEntry(path, "opaque", mode=0, mtime=base["mtime"])
+            elif name.startswith(WHITEOUT_PREFIX):
+                if name == WHITEOUT_PREFIX:
+                    raise LayerInputError("whiteout without a name", path=path)
+                e = SourceEntry(path, "whiteout", mode=0, mtime=base["mtime"])
+            elif ti.isreg():
+                src = tf.extractfile(ti)
+                start = spool_pos
+                remaining = ti.size
+                while remaining:
+                    buf = src.read(min(remaining, 4 << 20))
+                    if not buf:
+                        raise LayerInputError("tar stream ends inside a file", path=path)
+                    os.pwrite(spool_fd, buf, spool_pos)  # pwrite: no implicit buffering to flush
+                    spool_pos += len(buf)
+                    remaining -= len(buf)
+                e = SourceEntry(path, "file", size=ti.size, xattrs=xattrs,
+                                opener=lambda s=start, n=ti.size: _SpoolSlice(spool_fd, s, n), **base)
+            elif ti.isdir():
+                e = SourceEntry(path, "dir", xattrs=xattrs, **base)
+            elif ti.issym():
+                if not ti.linkname:
+                    raise LayerInputError("symlink with an empty target", path=path)
+                e = SourceEntry(path, "symlink", link=ti.linkname, xattrs=xattrs, **base)
+            elif ti.islnk():
+                target = canonical_path(ti.linkname, where="hardlink target")
+                e = SourceEntry(path, "file", xattrs=xattrs, **base)
+                hardlinks.append((e, target))
+            elif ti.ischr() or ti.isblk():
+                e = SourceEntry(path, "char" if ti.ischr() else "block", devmajor=ti.devmajor,
+                                devminor=ti.devminor, xattrs=xattrs, **base)
+            elif ti.isfifo():
+                e = SourceEntry(path, "fifo", xattrs=xattrs, **base)
+            else:
+                raise LayerInputError(f"unsupported tar entry type {ti.type!r}", path=path)
+            if path in by_path and by_path[path].type == "dir" and e.type == "dir":
+                by_path[path] = e  # a later directory header only updates metadata
+            else:
+                by_path.pop(path, None)
+                by_path[path] = e
+    except tarfile.TarError as e:
+        spool.close()
+        raise LayerInputError(f"corrupt tar stream: {e}") from None
+    except zstandard.ZstdError as e:
+        spool.close()
+        raise LayerInputError(f"corrupt zstd stream: {e}") from None
+    except BaseException:
+        spool.close()
+        raise
+    for e, target in hardlinks:
+        t = by_path.get(target)
+        if t is None or t is e:
+            spool.close()
+            raise LayerInputError(f"hardlink to {target!r}, which is not in the archive", path=e.path)
+        if t.type not in ("file", "symlink", "char", "block", "fifo"):
+            spool.close()
+            raise LayerInputError(f"hardlink to a {t.type} entry {target!r}", path=e.path)
+        if t.link_key is None:
+            t.link_key = ("tar", t.path)
+        # a hardlink shares everything with its target except its name
+        e.type, e.mode, e.uid, e.gid, e.mtime = t.type, t.mode, t.uid, t.gid, t.mtime
+        e.size, e.link, e.devmajor, e.devminor = t.size, t.link, t.devmajor, t.devminor
+        e.xattrs, e.opener, e.link_key = t.xattrs, t.opener, t.link_key
+    return list(by_path.values()), spool
