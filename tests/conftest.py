@@ -2,4 +2,5 @@
 
 pytest_plugins = [
     "tests.fixtures_common",
+    "tests.fixtures_registry",
 ]

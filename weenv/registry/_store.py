@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import abc
+import os
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+ProgressFn = Callable[[int], None]
+"""Called with the number of bytes just transferred."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ class Store(abc.ABC):
         """Whether the blob exists (a HEAD on registries)."""
 
     @abc.abstractmethod
-    def put_blob(self, repo: str, digest: str, path: str, size: int) -> int:
+    def put_blob(self, repo: str, digest: str, path: str, size: int, *, progress: ProgressFn | None = None) -> int:
         """Upload the blob stored in file ``path`` unless present; return the bytes uploaded."""
 
     @abc.abstractmethod
@@ -55,6 +61,35 @@ class Store(abc.ABC):
 
     def close(self) -> None:
         """Release connections and file handles."""
+
+    # Conveniences built on the methods above; implementations may do better.
+
+    def put_blob_bytes(self, repo: str, data: bytes) -> str:
+        """Store small bytes (configs) as a blob; return the digest."""
+        import hashlib
+
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if self.has_blob(repo, digest):
+            return digest
+        fd, path = tempfile.mkstemp(prefix="weenv-blob-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            self.put_blob(repo, digest, path, len(data))
+        finally:
+            os.unlink(path)
+        return digest
+
+    def iter_blob(self, repo: str, digest: str, size: int, chunk_bytes: int = 8 << 20) -> Iterator[bytes]:
+        """The blob's bytes in order, ``chunk_bytes`` at a time (never the whole blob in memory)."""
+        for off in range(0, size, chunk_bytes):
+            yield self.read_blob(repo, digest, off, min(chunk_bytes, size - off))
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class BlobReader:
