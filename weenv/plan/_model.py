@@ -1,0 +1,202 @@
+"""The plan and lock schema: strict msgspec Structs, their value rules and their defaults.
+
+Every Struct derives from :class:`_Strict` (unknown fields rejected, frozen, keyword-only). Field
+names are the TOML/JSON keys, except ``Group.group_class`` which is spelled ``class`` in files.
+Value rules that concern one field live in the ``Annotated[..., Meta(...)]`` types below, so they
+reach the JSON Schema too; rules that relate several fields live in :mod:`._validate`.
+
+All defaults are the ``DEFAULT_*`` constants of this module, documented in docs/plan.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from ._ref import _DOMAIN, _REPO, DIGEST_PATTERN, REF_PATTERN
+
+MiB = 1024**2
+GiB = 1024**3
+
+DEFAULT_CPU_MIN_CORES = 0.25
+DEFAULT_CPU_MAX_CORES = 2.0
+DEFAULT_MEMORY_MIN_BYTES = 256 * MiB
+DEFAULT_MEMORY_MAX_BYTES = 2 * GiB
+DEFAULT_PIDS = 1024
+DEFAULT_DISK_BYTES = 1 * GiB
+DEFAULT_NETWORK = "none"
+# Below a few MiB crun and the init cannot start; a limit that small is nearly always a unit slip
+# (``max = 2048`` meaning MiB), so it is rejected rather than obeyed.
+MIN_MEMORY_BYTES = 4 * MiB
+MIN_DISK_BYTES = 1 * MiB
+MAX_CORES = 1024.0
+MAX_PIDS = 4_194_304  # the kernel's own ceiling for pid_max
+LOCK_VERSION = 1
+
+GROUP_CLASSES: tuple[str, ...] = ("os", "toolchain", "harness", "evaluator", "task")
+"""Change-rate classes, bottom first: groups are listed in this order (equal classes may repeat)."""
+
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+NO_NUL_PATTERN = r"^[^\x00]*$"
+ABS_PATH_PATTERN = r"^/[^\x00]*$"
+USER_PATTERN = r"^([A-Za-z_][A-Za-z0-9_.-]*[$]?|[0-9]+)(:([A-Za-z_][A-Za-z0-9_.-]*|[0-9]+))?$"
+SNAPSHOT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+REGISTRY_PATTERN = rf"^{_DOMAIN}$"
+REPO_PATTERN = rf"^{_REPO}$"
+
+PATTERN_DESCRIPTIONS: dict[str, str] = {
+    NAME_PATTERN: "a lowercase name of letters, digits and '-' (1-63 characters, starting and "
+    "ending with a letter or digit)",
+    REF_PATTERN: "a reference like host/repo:tag",
+    DIGEST_PATTERN: "a digest like sha256:<64 lowercase hex digits>",
+    ENV_NAME_PATTERN: "an environment variable name (letters, digits and '_', not starting with a digit)",
+    NO_NUL_PATTERN: "a string without NUL characters",
+    ABS_PATH_PATTERN: "an absolute path",
+    USER_PATTERN: "a user name or uid, optionally followed by :group or :gid",
+    SNAPSHOT_PATTERN: "a snapshot id (letters, digits and . _ : -)",
+    REGISTRY_PATTERN: "a registry host such as registry.example.com:5000",
+    REPO_PATTERN: "a repository path such as team/harness",
+}
+"""Words for each pattern, used in error messages instead of the regular expression."""
+
+# ``extra={"unit": "bytes"}`` marks size fields: they also accept strings such as "2GiB" (see
+# _codec.normalize_sizes), their JSON Schema admits both forms, and TOML output writes them as text.
+SIZE_UNIT = {"unit": "bytes"}
+
+Name = Annotated[str, Meta(pattern=NAME_PATTERN, description="Lowercase DNS-label-like name.")]
+Ref = Annotated[str, Meta(pattern=REF_PATTERN, max_length=512,
+                          description="Group reference: [host[:port]/]repo:tag, repo@sha256:…, or both.")]
+Digest = Annotated[str, Meta(pattern=DIGEST_PATTERN, description="sha256:<64 hex digits>.")]
+EnvName = Annotated[str, Meta(pattern=ENV_NAME_PATTERN, max_length=1024)]
+EnvValue = Annotated[str, Meta(pattern=NO_NUL_PATTERN)]
+AbsPath = Annotated[str, Meta(pattern=ABS_PATH_PATTERN, max_length=4096, description="Absolute path.")]
+Arg = Annotated[str, Meta(pattern=NO_NUL_PATTERN)]
+User = Annotated[str, Meta(pattern=USER_PATTERN, max_length=256,
+                           description="User name or uid, optionally :group or :gid.")]
+Cores = Annotated[float, Meta(gt=0, le=MAX_CORES, description="CPU cores (fractions allowed).")]
+MemorySize = Annotated[int, Meta(ge=MIN_MEMORY_BYTES, extra=SIZE_UNIT,
+                                 description='Bytes, or a size such as "512MiB", "2GiB", "1.5G".')]
+DiskSize = Annotated[int, Meta(ge=MIN_DISK_BYTES, extra=SIZE_UNIT,
+                               description='Bytes, or a size such as "512MiB", "2GiB", "1.5G".')]
+GroupClass = Literal["os", "toolchain", "harness", "evaluator", "task"]
+Network = Literal["none", "loopback"]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Base of every plan Struct: unknown keys are errors, values are immutable."""
+
+
+class Group(_Strict, kw_only=True):
+    """One layer group of the environment's root filesystem."""
+
+    name: Annotated[Name, Meta(description="Group name, unique within the plan.")]
+    ref: Ref
+    group_class: Annotated[GroupClass, Meta(
+        description="Change-rate class; groups are listed os, toolchain, harness, evaluator, task."
+    )] = msgspec.field(name="class")
+
+
+class LockedGroup(Group, kw_only=True):
+    """A group pinned by ``weenv plan lock``: starting from it never resolves a tag."""
+
+    digest: Annotated[Digest, Meta(description="Manifest digest of the group artifact.")]
+    layer_digest: Annotated[Digest, Meta(description="Digest of the group's layer blob.")]
+    layer_size: Annotated[int, Meta(ge=0, description="Size of the layer blob in bytes.")]
+    toc_digest: Annotated[Digest, Meta(description="Digest of the layer's table of contents.")]
+    registry: Annotated[str, Meta(pattern=REGISTRY_PATTERN, description=(
+        "Registry host the group was resolved on; absent for the embedded local store."
+    ))] | None = None
+    repo: Annotated[str, Meta(pattern=REPO_PATTERN, description="Repository holding the group.")]
+
+    @property
+    def pinned_ref(self) -> str:
+        """``[registry/]repo@digest``: the ref to fetch, which no tag move can change."""
+        base = f"{self.registry}/{self.repo}" if self.registry else self.repo
+        return f"{base}@{self.digest}"
+
+
+class CpuRange(_Strict, kw_only=True):
+    """CPU cores the elastic monitor may grant: it starts at ``min`` and grows up to ``max``."""
+
+    min: Cores = DEFAULT_CPU_MIN_CORES
+    max: Cores = DEFAULT_CPU_MAX_CORES
+
+
+class MemoryRange(_Strict, kw_only=True):
+    """Memory the elastic monitor may grant, in bytes: guaranteed ``min``, hard limit ``max``."""
+
+    min: MemorySize = DEFAULT_MEMORY_MIN_BYTES
+    max: MemorySize = DEFAULT_MEMORY_MAX_BYTES
+
+
+class Resources(_Strict, kw_only=True):
+    """Limits of the environment."""
+
+    cpu: CpuRange = CpuRange()
+    memory: MemoryRange = MemoryRange()
+    pids: Annotated[int, Meta(ge=1, le=MAX_PIDS, description="Most processes and threads at once.")] = DEFAULT_PIDS
+    disk: Annotated[DiskSize, Meta(description="Bound of the writable upper directory.")] = DEFAULT_DISK_BYTES
+
+
+class Mount(_Strict, kw_only=True):
+    """A read-only bind mount of a host path into the environment (explicit opt-in)."""
+
+    source: Annotated[AbsPath, Meta(description="Host path (absolute, normalised).")]
+    target: Annotated[AbsPath, Meta(description="Path inside the environment; not /, /proc, /sys or /dev.")]
+
+
+class Plan(_Strict, kw_only=True):
+    """A weenv environment plan: what to run (groups, bottom first) and how (env, limits)."""
+
+    name: Annotated[Name, Meta(description="Plan name; env ids and the hostname derive from it.")]
+    groups: Annotated[list[Group], Meta(description="Layer groups, bottom (os) first, task last.")] = []
+    env: Annotated[dict[EnvName, EnvValue], Meta(
+        description="Environment variables; merged over the image's, plan values win."
+    )] = {}
+    workdir: Annotated[AbsPath, Meta(description="Working directory; default the image's, else /.")] | None = None
+    user: Annotated[User, Meta(description="User of the init and of exec; default the image's, else root.")] | None = None
+    init: Annotated[list[Arg], Meta(min_length=1, description=(
+        "argv of the long-lived process; default weenv's tiny idle init."
+    ))] | None = None
+    resources: Resources = Resources()
+    network: Annotated[Network, Meta(description=(
+        "none: an empty network namespace; loopback: the same with lo up (127.0.0.1 works)."
+    ))] = DEFAULT_NETWORK
+    ttl_s: Annotated[float, Meta(gt=0, description="Seconds until the env is killed; default: no TTL.")] | None = None
+    mounts: Annotated[list[Mount], Meta(description="Read-only host bind mounts.")] = []
+    snapshot: Annotated[str, Meta(pattern=SNAPSHOT_PATTERN, description=(
+        "Snapshot id to start from (reserved for snapshots); groups may then be empty."
+    ))] | None = None
+
+
+class Lock(Plan, kw_only=True):
+    """A plan whose every group is pinned to digests (``lock_version`` marks a lock file)."""
+
+    lock_version: Annotated[int, Meta(ge=1, description="Lock format version; this weenv writes 1.")]
+    groups: Annotated[list[LockedGroup], Meta(description="Pinned groups, bottom first.")] = []
+
+
+class ResolvedGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """What a resolver returns for a ref: the digests a lock pins. ``registry`` is ``None`` for
+    the embedded local store. Any object with these attributes will do (e.g. the registry's
+    ``GroupInfo``)."""
+
+    manifest_digest: str
+    layer_digest: str
+    layer_size: int
+    toc_digest: str
+    registry: str | None
+    repo: str
+
+
+def group_class_rank(group_class: str) -> int:
+    """0 for ``os`` … 4 for ``task``."""
+    return GROUP_CLASSES.index(group_class)
+
+
+def plan_fields(plan: Plan) -> dict[str, Any]:
+    """The plan's fields by attribute name (shallow), without the lock-only ones."""
+    return {f: getattr(plan, f) for f in Plan.__struct_fields__}
