@@ -21,6 +21,12 @@ from ._group import local_store_path as local_store_path
 from ._group import open_layer_ref as open_layer_ref
 from ._group import open_store as open_store
 from ._group import resolve_group as resolve_group
+from ._image import ExportResult as ExportResult
+from ._image import PulledGroup as PulledGroup
+from ._image import PullResult as PullResult
+from ._image import export_oci as export_oci
+from ._image import parse_groups_spec as parse_groups_spec
+from ._image import pull as pull
 from ._layout import LayoutStore as LayoutStore
 from ._oci import GROUP_ARTIFACT_TYPE as GROUP_ARTIFACT_TYPE
 from ._oci import GROUP_CLASSES as GROUP_CLASSES
