@@ -16,3 +16,4 @@ def main() -> None:
 # Registration order is the order of `weenv --help`.
 from . import _layer  # noqa: E402,F401
 from . import _plan  # noqa: E402,F401
+from . import _registry  # noqa: E402,F401
