@@ -27,6 +27,8 @@ from ._source import SourceEntry as SourceEntry
 from ._source import scan_directory as scan_directory
 from ._source import scan_tar as scan_tar
 from ._toc import DEFAULT_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from ._toc import TYPE_NAMES as TYPE_NAMES
+from ._toc import Columns as Columns
 from ._toc import DEFAULT_LIMITS as DEFAULT_LIMITS
 from ._toc import FOOTER_SIZE as FOOTER_SIZE
 from ._toc import FORMAT_VERSION as FORMAT_VERSION

@@ -23,12 +23,12 @@ from ._toc import (
     FORMAT_VERSION,
     SKIPPABLE_HEADER,
     SKIPPABLE_TOC_MAGIC,
-    TOC,
     Chunk,
+    Columns,
     Entry,
     Footer,
     encode_toc,
-    validate_toc,
+    toc_from_entries,
 )
 
 DEFAULT_LEVEL = 3
@@ -247,10 +247,10 @@ def build_entries(
         fw.frame(bytes(header))
         tar_bytes += len(header)
         fw.flush()
-        toc = TOC(FORMAT_VERSION, chunk_size, toc_entries, prefetch_end)
+        toc = toc_from_entries(toc_entries, chunk_size, prefetch_end)
         data_end = fw.offset
         try:
-            validate_toc(toc, data_end)
+            Columns(toc, data_end)
         except LayerError as err:
             raise LayerInputError(f"input cannot form a valid layer: {err}", path=err.path) from None
         raw = encode_toc(toc)

@@ -20,15 +20,16 @@ from ._toc import (
     FOOTER_SIZE,
     SKIPPABLE_HEADER,
     SKIPPABLE_TOC_MAGIC,
-    TOC,
+    EMPTY_SHA256,
+    FILE,
     Chunk,
+    Columns,
     Entry,
     Footer,
     Limits,
     check_toc_digest,
     decode_toc,
     sha256,
-    validate_toc,
 )
 
 DEFAULT_TAIL_READ = 256 << 10
@@ -36,6 +37,11 @@ DEFAULT_TAIL_READ = 256 << 10
 
 def _decompress_exact(data: bytes, ulength: int, what: str, offset: int, path: str | None) -> bytes:
     try:
+        # The frame header declares its content size; check it first, or a forged header would make the
+        # decompressor allocate whatever it claims (max_output_size only applies when it is absent).
+        declared = zstandard.frame_content_size(data)
+        if declared != -1 and declared != ulength:
+            raise IntegrityError(f"{what} frame declares {declared} bytes, expected {ulength}", path=path, offset=offset)
         out = zstandard.ZstdDecompressor().decompress(data, max_output_size=ulength)
     except zstandard.ZstdError as e:
         raise IntegrityError(f"{what} is not a valid zstd frame: {e}", path=path, offset=offset) from None
@@ -89,16 +95,17 @@ def read_tail(reader: RandomAccessReader, limits: Limits = DEFAULT_LIMITS,
 
 
 class Layer:
-    """An opened layer: the validated TOC plus the reader it came from.
+    """An opened layer: the validated TOC columns plus the reader it came from.
 
     Thread-safe for reads as long as the reader is (``FileReader`` is).
     """
 
-    def __init__(self, reader: RandomAccessReader, footer: Footer, toc: TOC):
+    def __init__(self, reader: RandomAccessReader, footer: Footer, columns: Columns):
         self.reader = reader
         self.footer = footer
-        self.toc = toc
-        self._index: dict[str, Entry] = {e.path: e for e in toc.entries}
+        self.columns = columns
+        self.toc = columns.toc
+        self._entries: list[Entry] | None = None
 
     @classmethod
     def open(
@@ -117,8 +124,7 @@ class Layer:
         check_toc_digest(compressed, footer, expected_toc_digest)
         raw = _decompress_exact(compressed, footer.toc_ulength, "TOC", footer.toc_offset, None)
         toc = decode_toc(raw, footer.toc_offset)
-        validate_toc(toc, footer.toc_offset, limits)
-        return cls(reader, footer, toc)
+        return cls(reader, footer, Columns(toc, footer.toc_offset, limits))
 
     @property
     def size(self) -> int:
@@ -129,28 +135,37 @@ class Layer:
         return self.footer.toc_digest
 
     @property
-    def entries(self) -> list[Entry]:
-        return self.toc.entries
-
-    @property
     def prefetch_end(self) -> int:
         return self.toc.prefetch_end
 
+    def __len__(self) -> int:
+        return self.toc.count
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every entry, materialized (costly for huge layers: prefer :attr:`columns`)."""
+        if self._entries is None:
+            self._entries = [self.columns.entry(i) for i in range(self.toc.count)]
+        return self._entries
+
     def __contains__(self, path: str) -> bool:
-        return path in self._index
+        return normalize_lookup(path) in self.columns.index
+
+    def index_of(self, path: str) -> int:
+        i = self.columns.index.get(normalize_lookup(path))
+        if i is None:
+            raise EntryNotFoundError("no such entry in the layer", path=path)
+        return i
 
     def entry(self, path: str) -> Entry:
         """The entry at ``path`` (``a/b``, ``/a/b`` or ``./a/b``)."""
-        e = self._index.get(normalize_lookup(path))
-        if e is None:
-            raise EntryNotFoundError("no such entry in the layer", path=path)
-        return e
+        return self.columns.entry(self.index_of(path))
 
     def content_entry(self, path: str) -> Entry:
         """Like :meth:`entry`, but a hardlink resolves to the entry that holds the content."""
         e = self.entry(path)
         if e.type == "hardlink":
-            e = self._index[e.link]
+            e = self.columns.entry(self.columns.index[e.link])
         return e
 
     def chunks_for(self, entry: Entry, offset: int = 0, n: int | None = None) -> list[Chunk]:
@@ -181,17 +196,20 @@ class Layer:
 
     def verify(self) -> None:
         """Verify every chunk of every file; raise :class:`IntegrityError` naming the first bad path."""
-        for e in self.toc.entries:
-            if e.type == "file" and e.chunks:
-                h = None if len(e.chunks) == 1 else hashlib.sha256()
-                for part in self.iter_read(e.path):
-                    if h is not None:
-                        h.update(part)
-                digest = e.chunks[0].digest if h is None else h.digest()
-                if digest != e.digest:
-                    raise IntegrityError("file sha256 does not match its chunks", path=e.path)
-            elif e.type == "file" and e.digest != sha256(b""):
-                raise IntegrityError("empty file with a non-empty digest", path=e.path)
+        cols = self.columns
+        for i in (i for i, t in enumerate(cols.types) if t == FILE):
+            path = cols.paths[i]
+            e = cols.entry(i)
+            if not e.chunks:
+                if e.digest != EMPTY_SHA256:
+                    raise IntegrityError("empty file with a non-empty digest", path=path)
+                continue
+            h = None if len(e.chunks) == 1 else hashlib.sha256()
+            for part in self.iter_read(path):
+                if h is not None:
+                    h.update(part)
+            if h is not None and h.digest() != e.digest:
+                raise IntegrityError("file sha256 does not match its chunks", path=path)
 
 
 def normalize_lookup(path: str) -> str:
