@@ -208,9 +208,40 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.close_connection = True
 
+    def _json_answer(self, status: int, payload: bytes, extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+        self.server.log.add(self.command, self.path, status)
+
+    def _bearer_gate(self) -> bool:
+        """With ``server.bearer_token`` set, act as a token-auth registry; True when answered here."""
+        token = self.server.bearer_token
+        if token is None:
+            return False
+        if self.path.startswith("/token"):
+            self.server.token_requests.append((self.path, self.headers.get("Authorization")))
+            if self.server.token_basic and self.headers.get("Authorization") != self.server.token_basic:
+                self._json_answer(401, b'{"errors":[{"code":"UNAUTHORIZED","message":"bad credentials"}]}')
+            else:
+                self._json_answer(200, ('{"token": "%s", "expires_in": 300}' % token).encode())
+            return True
+        if self.headers.get("Authorization") != f"Bearer {token}":
+            realm = f"{self.server.url}/token"
+            self._json_answer(401, b'{"errors":[{"code":"UNAUTHORIZED","message":"token needed"}]}',
+                              {"WWW-Authenticate": f'Bearer realm="{realm}",service="weenv-test"'})
+            return True
+        return False
+
     def _handle(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
+        if self._bearer_gate():
+            return
         fault = self._take_fault()
         if fault and fault.kind == "slow":
             time.sleep(fault.delay_s)
@@ -230,6 +261,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.log.add(self.command, self.path, fault.status)
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP and k.lower() != "host"}
+        if self.server.bearer_token is not None:
+            headers.pop("Authorization", None)
         if fault and fault.kind == "ignore_range":
             headers = {k: v for k, v in headers.items() if k.lower() != "range"}
         conn = http.client.HTTPConnection(self.server.upstream_host, self.server.upstream_port, timeout=30)
@@ -283,6 +316,9 @@ class _ProxyServer(ThreadingHTTPServer):
         self.log = ProxyLog()
         self.faults: list[Fault] = []
         self.fault_lock = threading.Lock()
+        self.bearer_token: str | None = None  # set to require Bearer auth (served by /token)
+        self.token_basic: str | None = None  # if set, /token demands this Authorization value
+        self.token_requests: list[tuple[str, str | None]] = []
 
 
 @dataclass
