@@ -2,5 +2,6 @@
 
 pytest_plugins = [
     "tests.fixtures_common",
+    "tests.fixtures_cgroups",
     "tests.fixtures_registry",
 ]

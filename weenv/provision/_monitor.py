@@ -1,0 +1,366 @@
+"""The elastic monitor: one trio task that resizes every registered env's cgroup each tick.
+
+Per tick: one worker-thread call samples every group (and the node's memory), the pure policy
+(:func:`._policy.decide`) runs on the trio thread, and a second worker-thread call applies the
+few changes. Time comes from ``trio.current_time()``, so tests drive the monitor with
+``trio.testing.MockClock(autojump_threshold=0)`` and the fake backend's clock set to the same
+``MockClock.current_time``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import trio
+
+from ._errors import CgroupError
+from ._policy import DEFAULT_POLICY, Admission, Decision, EnvLimits, EnvQuotaState, NodeView, PolicyConfig
+from ._policy import admit, adopt_state, decide, initial_state
+from .cgroups._base import Cgroup, CgroupSample
+
+log = logging.getLogger("weenv.provision.monitor")
+
+
+class EnvMetrics(msgspec.Struct, kw_only=True):
+    """Counters for one env since it was added."""
+
+    cpu_up: int = 0
+    cpu_down: int = 0
+    memory_up: int = 0
+    memory_down: int = 0
+    cpu_refusals: int = 0
+    """Episodes in which a CPU doubling was refused (node burst budget spent)."""
+    memory_refusals: int = 0
+    """Episodes in which a memory doubling was refused (node headroom short)."""
+    throttled_ns: int = 0
+    """CFS throttled time observed while monitored."""
+    oom_kills: int = 0
+    """Processes OOM-killed inside the env's cgroup while monitored."""
+    memory_limit_hits: int = 0
+    sample_errors: int = 0
+    apply_errors: int = 0
+
+
+class MonitorStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    envs: int
+    ticks: int
+    late_ticks: int
+    """Ticks that started after the next one was due (the loop skips ahead, never bursts)."""
+    last_tick_s: float
+    """Wall (trio clock) duration of the last tick, sampling and applying included."""
+
+
+class _Env:
+    __slots__ = ("env_id", "cgroup", "limits", "state", "last", "metrics", "last_change", "decision", "error")
+
+    def __init__(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, state: EnvQuotaState):
+        self.env_id = env_id
+        self.cgroup = cgroup
+        self.limits = limits
+        self.state = state
+        self.last: CgroupSample | None = None
+        self.metrics = EnvMetrics()
+        self.last_change: dict[str, Any] | None = None
+        self.decision: Decision | None = None
+        self.error: str | None = None
+
+
+class Monitor:
+    """Resizes the cgroups of registered envs every ``interval_ms``.
+
+    ``node_memory`` returns ``(total_bytes, available_bytes)`` (a backend's ``node_memory``);
+    ``cpu_cores`` defaults to the CPUs this process may run on. ``offload=False`` samples and
+    applies inline instead of in a worker thread (deterministic tests under an autojumping clock).
+    """
+
+    def __init__(
+        self,
+        node_memory: Callable[[], tuple[int, int]],
+        *,
+        interval_ms: int = 200,
+        cfg: PolicyConfig = DEFAULT_POLICY,
+        cpu_cores: float | None = None,
+        offload: bool = True,
+    ):
+        if interval_ms <= 0:
+            raise ValueError(f"interval_ms must be > 0, got {interval_ms}")
+        self.interval_ms = interval_ms
+        self.cfg = cfg
+        self.cpu_cores = float(cpu_cores if cpu_cores is not None else len(os.sched_getaffinity(0)))
+        self._node_memory = node_memory
+        self._offload = offload
+        self._envs: dict[str, _Env] = {}
+        self._ticks = 0
+        self._late_ticks = 0
+        self._last_tick_s = 0.0
+        self._node: NodeView | None = None
+
+    # -- registration (called by the daemon) ----------------------------------------------------
+
+    def add(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, *, adopt: bool = False) -> None:
+        """Start managing ``cgroup``. A new env gets its mins now (before its processes start);
+        ``adopt=True`` keeps the quotas a running env already has (after a daemon restart),
+        clamped to ``limits``. Raises :class:`CgroupError` if the limits cannot be written."""
+        if env_id in self._envs:
+            raise ValueError(f"env {env_id!r} is already monitored")
+        first = cgroup.sample() if adopt else None
+        state = adopt_state(limits, first) if first is not None else initial_state(limits)
+        cpu, mem = limits.cpu_range, limits.memory_range
+        if cpu is not None:
+            cgroup.set_cpu(state.cpu_quota_cores)
+        if mem is not None:
+            actual = cgroup.set_memory(state.memory_limit_bytes, hard_limit_bytes=mem[1])
+            state = msgspec.structs.replace(state, memory_limit_bytes=actual)
+        if limits.pids_max is not None:
+            cgroup.set_pids(limits.pids_max)
+        env = _Env(env_id, cgroup, limits, state)
+        self._envs[env_id] = env
+        log.info(
+            "env %s: monitored, cpu %s cores, memory %s bytes (limits %s)",
+            env_id, state.cpu_quota_cores, state.memory_limit_bytes, limits,
+        )
+
+    def remove(self, env_id: str) -> EnvMetrics | None:
+        """Stop managing ``env_id`` (its cgroup is left as it is); returns its final metrics."""
+        env = self._envs.pop(env_id, None)
+        return None if env is None else env.metrics
+
+    def __contains__(self, env_id: str) -> bool:
+        return env_id in self._envs
+
+    # -- node admission ------------------------------------------------------------------------
+
+    def node_view(self) -> NodeView:
+        """The node as of the last tick (read now if there was none)."""
+        if self._node is None:
+            total, available = self._node_memory()
+            return self._build_node(total, available, {})
+        return self._node
+
+    def admit(self, limits: EnvLimits) -> Admission:
+        """Would an env with these limits get its mins next to the monitored ones?"""
+        return admit(limits, self.node_view(), (e.limits for e in self._envs.values()), self.cfg)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Tick forever; cancel the enclosing scope to stop."""
+        interval_s = self.interval_ms / 1000
+        next_s = trio.current_time()
+        task_status.started()
+        while True:
+            await self.tick()
+            next_s += interval_s
+            now = trio.current_time()
+            if next_s <= now:
+                # Behind schedule (a stalled host): skip the missed ticks instead of bursting.
+                while next_s <= now:
+                    next_s += interval_s
+                    self._late_ticks += 1
+            await trio.sleep_until(next_s)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._offload:
+            return await trio.to_thread.run_sync(fn, *args)
+        return fn(*args)
+
+    async def tick(self) -> None:
+        """Sample every env, decide, apply. Public so tests and ``weenv top --once`` can step it."""
+        started = trio.current_time()
+        envs = list(self._envs.values())
+        samples, node_memory = await self._call(self._sample_all, envs)
+        now = trio.current_time()
+        fresh = {}
+        for env, sample in zip(envs, samples):
+            if isinstance(sample, CgroupSample) and self._envs.get(env.env_id) is env:
+                fresh[env.env_id] = sample
+        node = self._build_node(*node_memory, fresh)
+        changes: list[tuple[_Env, Decision]] = []
+        for env, sample in zip(envs, samples):
+            if self._envs.get(env.env_id) is not env:
+                continue  # removed while we sampled
+            if not isinstance(sample, CgroupSample):
+                env.metrics.sample_errors += 1
+                if env.error is None:
+                    log.warning("env %s: cannot sample its cgroup: %s", env.env_id, sample)
+                env.error = str(sample)
+                continue
+            env.error = None
+            prev = env.last
+            self._count(env, sample, prev)
+            d = decide(env.state, sample, prev, env.limits, node, self.cfg, now)
+            env.last = sample
+            env.decision = d
+            if d.cpu_refused and not env.state.cpu_refused:
+                env.metrics.cpu_refusals += 1
+                log.warning("env %s: %s", env.env_id, "; ".join(d.reasons))
+            if d.memory_refused and not env.state.memory_refused:
+                env.metrics.memory_refusals += 1
+                log.warning("env %s: %s", env.env_id, "; ".join(d.reasons))
+            if d.cpu_change is None and d.memory_change is None:
+                env.state = d.state
+                continue
+            changes.append((env, d))
+            # Later envs in this tick must see what this one was granted.
+            old = env.state
+            cpu_lo = env.limits.cpu_range[0] if env.limits.cpu_range else 0.0
+            node = msgspec.structs.replace(
+                node,
+                cpu_burst_committed_cores=node.cpu_burst_committed_cores
+                + ((d.cpu_quota_cores or cpu_lo) - (old.cpu_quota_cores or cpu_lo)),
+                memory_promised_bytes=node.memory_promised_bytes
+                + ((d.memory_limit_bytes or 0) - (old.memory_limit_bytes or 0)),
+            )
+        self._node = node
+        if changes:
+            results = await self._call(self._apply_all, changes)
+            for (env, d), (actual, error) in zip(changes, results):
+                self._record(env, d, actual, error, now)
+        self._ticks += 1
+        self._last_tick_s = trio.current_time() - started
+
+    # -- worker-thread halves ------------------------------------------------------------------
+
+    def _sample_all(self, envs: list[_Env]) -> tuple[list[CgroupSample | CgroupError], tuple[int, int]]:
+        out: list[CgroupSample | CgroupError] = []
+        for env in envs:
+            try:
+                out.append(env.cgroup.sample())
+            except CgroupError as exc:
+                out.append(exc)
+        return out, self._node_memory()
+
+    def _apply_all(self, changes: list[tuple[_Env, Decision]]) -> list[tuple[int | None, CgroupError | None]]:
+        results: list[tuple[int | None, CgroupError | None]] = []
+        for env, d in changes:
+            actual = d.memory_limit_bytes
+            try:
+                if d.cpu_change is not None:
+                    env.cgroup.set_cpu(d.cpu_quota_cores)
+                if d.memory_change is not None:
+                    mem = env.limits.memory_range
+                    actual = env.cgroup.set_memory(
+                        d.memory_limit_bytes, hard_limit_bytes=mem[1] if mem else None
+                    )
+            except CgroupError as exc:
+                results.append((None, exc))
+                continue
+            results.append((actual, None))
+        return results
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+
+    def _build_node(self, total: int, available: int, samples: dict[str, CgroupSample]) -> NodeView:
+        committed = 0.0
+        promised = 0
+        for env in self._envs.values():
+            cpu = env.limits.cpu_range
+            q = env.state.cpu_quota_cores
+            if cpu is not None and q is not None:
+                committed += max(0.0, q - cpu[0])
+            limit = env.state.memory_limit_bytes
+            sample = samples.get(env.env_id) or env.last
+            if limit is not None:
+                used = sample.memory_usage_bytes if sample is not None else 0
+                promised += max(0, limit - used)
+        return NodeView(
+            cpu_cores=self.cpu_cores,
+            cpu_burst_committed_cores=committed,
+            memory_total_bytes=total,
+            memory_available_bytes=available,
+            memory_promised_bytes=promised,
+        )
+
+    def _count(self, env: _Env, sample: CgroupSample, prev: CgroupSample | None) -> None:
+        if prev is None:
+            return
+        m = env.metrics
+        m.throttled_ns += max(0, sample.throttled_ns - prev.throttled_ns)
+        m.memory_limit_hits += max(0, sample.memory_limit_hits - prev.memory_limit_hits)
+        kills = sample.oom_kills - prev.oom_kills
+        if kills > 0:
+            m.oom_kills += kills
+            log.warning(
+                "env %s: %d process(es) OOM-killed inside its cgroup at %s bytes (max %s)",
+                env.env_id, kills, sample.memory_limit_bytes, env.limits.memory_max_bytes,
+            )
+
+    def _record(self, env: _Env, d: Decision, actual: int | None, error: CgroupError | None, now: float) -> None:
+        if self._envs.get(env.env_id) is not env:
+            return
+        if error is not None:
+            env.metrics.apply_errors += 1
+            log.warning("env %s: could not apply %s: %s", env.env_id, "; ".join(d.reasons), error)
+            return
+        old = env.state
+        state = d.state
+        if d.memory_change is not None and actual != d.memory_limit_bytes:
+            log.warning(
+                "env %s: kernel kept memory limit %s bytes instead of %s (usage could not be reclaimed)",
+                env.env_id, actual, d.memory_limit_bytes,
+            )
+            state = msgspec.structs.replace(state, memory_limit_bytes=actual)
+        env.state = state
+        m = env.metrics
+        for resource, change, before, after in (
+            ("cpu", d.cpu_change, old.cpu_quota_cores, state.cpu_quota_cores),
+            ("memory", d.memory_change, old.memory_limit_bytes, state.memory_limit_bytes),
+        ):
+            if change is None or before == after:
+                continue
+            setattr(m, f"{resource}_{change}", getattr(m, f"{resource}_{change}") + 1)
+            reason = next((r for r in d.reasons if r.startswith(resource)), "")
+            env.last_change = {
+                "resource": resource, "direction": change, "from": before, "to": after,
+                "reason": reason, "at_s": now,
+            }  # fmt: skip
+            log.info("env %s: %s", env.env_id, reason)
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def statistics(self) -> MonitorStatistics:
+        return MonitorStatistics(
+            envs=len(self._envs), ticks=self._ticks, late_ticks=self._late_ticks, last_tick_s=self._last_tick_s
+        )
+
+    def metrics(self, env_id: str) -> EnvMetrics:
+        return self._envs[env_id].metrics
+
+    def snapshot(self) -> dict[str, Any]:
+        """Current quotas and usage of every env, JSON-ready (``weenv top``, ``weenv ps --json``)."""
+        envs: dict[str, Any] = {}
+        for env in self._envs.values():
+            s, d, lim = env.last, env.decision, env.limits
+            envs[env.env_id] = {
+                "cpu": {
+                    "quota_cores": env.state.cpu_quota_cores,
+                    "used_cores": d.cpu_usage_cores if d else None,
+                    "throttled_share": d.cpu_throttled_share if d else None,
+                    "min_cores": lim.cpu_range[0] if lim.cpu_range else None,
+                    "max_cores": lim.cpu_range[1] if lim.cpu_range else None,
+                    "refused": env.state.cpu_refused,
+                },
+                "memory": {
+                    "limit_bytes": env.state.memory_limit_bytes,
+                    "used_bytes": s.memory_usage_bytes if s else None,
+                    "min_bytes": lim.memory_range[0] if lim.memory_range else None,
+                    "max_bytes": lim.memory_range[1] if lim.memory_range else None,
+                    "refused": env.state.memory_refused,
+                    "pressure_some_avg10": s.memory_pressure_some_avg10 if s else None,
+                },
+                "pids": {"current": s.pids_current if s else None, "max": lim.pids_max},
+                "last_change": env.last_change,
+                "error": env.error,
+                "metrics": msgspec.structs.asdict(env.metrics),
+            }
+        node = self._node
+        return {
+            "interval_ms": self.interval_ms,
+            "ticks": self._ticks,
+            "node": None if node is None else msgspec.structs.asdict(node),
+            "envs": envs,
+        }

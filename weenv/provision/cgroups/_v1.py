@@ -1,0 +1,446 @@
+"""cgroup v1 (legacy and hybrid hosts): one directory per group in each controller's hierarchy.
+
+Controllers used: cpu (CFS quota, throttling), cpuacct (usage), memory (limit, failcnt,
+oom_control), freezer, pids. cpu and cpuacct may be separate hierarchies (this host) or
+co-mounted as ``cpu,cpuacct``; co-mounted controllers share one directory. On a hybrid host the
+group also gets a directory in the unified (v2) hierarchy, with no controllers, only so that the
+kernel keeps per-group PSI (``memory.pressure``, ``cpu.pressure``) for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from collections.abc import Mapping
+
+from .._errors import CgroupBusyError, CgroupError, CgroupExistsError, CgroupNotFoundError
+from .._errors import CgroupUnavailableError
+from ._base import Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up, parse_flat_keyed
+from ._base import parse_pressure, quota_us, read_meminfo, translate_oserror
+from ._fs import CgroupFs, FileCache
+
+#: Controllers weenv uses on v1, in the order their directories are created (memory first: it is
+#: the hierarchy that decides whether a group exists).
+V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "freezer", "pids")
+
+# The kernel reports "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 on 4 KiB pages).
+_UNLIMITED_BYTES = 1 << 62
+
+
+def _limit_or_none(value: int) -> int | None:
+    return None if value >= _UNLIMITED_BYTES else value
+
+
+def _unique(paths: list[str | None]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        if p is not None and p not in out:
+            out.append(p)
+    return out
+
+
+class V1Cgroup(Cgroup):
+    __slots__ = (
+        "name", "_fs", "_files", "_dirs", "_mem", "_cpu", "_acct", "_frz", "_pids", "_unified",
+        "_quota_cores", "_period_us", "_limit", "_hard", "_kill_disabled", "_pids_max",
+        "_last_usage_ns", "_cpu_stat",
+    )  # fmt: skip
+
+    def __init__(self, name: str, dirs: Mapping[str, str], unified_dir: str | None, fs: CgroupFs):
+        self.name = name
+        self._fs = fs
+        self._files = FileCache(fs)
+        self._mem = dirs.get("memory")
+        self._cpu = dirs.get("cpu")
+        self._acct = dirs.get("cpuacct")
+        self._frz = dirs.get("freezer")
+        self._pids = dirs.get("pids")
+        self._unified = unified_dir
+        self._dirs = _unique([*(dirs[c] for c in V1_CONTROLLERS if c in dirs), unified_dir])
+        # What we last wrote; the kernel is only re-read on open() and after a refused write,
+        # which keeps a tick to the counters that move.
+        self._quota_cores: float | None = None
+        self._period_us = 100_000
+        self._limit: int | None = None
+        self._hard: int | None = None
+        self._kill_disabled = False
+        self._pids_max: int | None = None
+        self._last_usage_ns = -1
+        self._cpu_stat = (0, 0, 0)
+
+    # -- reading limits back (open) ------------------------------------------------------------
+
+    def _read_int(self, path: str) -> int:
+        with translate_oserror(self.name, path):
+            return int(self._fs.read(path).split()[0])
+
+    def _load_limits(self) -> None:
+        if self._cpu is not None:
+            q = self._read_int(f"{self._cpu}/cpu.cfs_quota_us")
+            self._period_us = self._read_int(f"{self._cpu}/cpu.cfs_period_us")
+            self._quota_cores = None if q < 0 else q / self._period_us
+        if self._mem is not None:
+            self._limit = _limit_or_none(self._read_int(f"{self._mem}/memory.limit_in_bytes"))
+            path = f"{self._mem}/memory.oom_control"
+            with translate_oserror(self.name, path):
+                oom = parse_flat_keyed(self._fs.read(path))
+            self._kill_disabled = bool(oom.get(b"oom_kill_disable", 0))
+            # v1 has one limit; a disabled OOM killer is how we mark "throttle here, the hard
+            # limit is higher". The hard value itself lives in the plan, not the kernel.
+            self._hard = None if self._kill_disabled else self._limit
+        if self._pids is not None:
+            path = f"{self._pids}/pids.max"
+            with translate_oserror(self.name, path):
+                raw = self._fs.read(path).strip()
+            self._pids_max = None if raw == b"max" else int(raw)
+
+    # -- Cgroup ----------------------------------------------------------------------------------
+
+    def procs_paths(self) -> list[str]:
+        return [f"{d}/cgroup.procs" for d in self._dirs]
+
+    def attach(self, pid: int) -> None:
+        for path in self.procs_paths():
+            with translate_oserror(self.name, path):
+                self._fs.write(path, str(pid))
+
+    def _need(self, directory: str | None, controller: str) -> str:
+        if directory is None:
+            raise CgroupUnavailableError(f"the {controller} controller is not mounted", group=self.name)
+        return directory
+
+    def set_cpu(self, quota_cores: float | None, period_us: int = 100_000) -> None:
+        d = self._need(self._cpu, "cpu")
+        if period_us != self._period_us:
+            path = f"{d}/cpu.cfs_period_us"
+            with translate_oserror(self.name, path):
+                self._fs.write(path, str(period_us))
+            self._period_us = period_us
+        value = -1 if quota_cores is None else quota_us(quota_cores, period_us)
+        path = f"{d}/cpu.cfs_quota_us"
+        with translate_oserror(self.name, path):
+            self._fs.write(path, str(value))
+        self._quota_cores = None if quota_cores is None else value / period_us
+
+    def set_memory(self, limit_bytes: int | None, *, hard_limit_bytes: int | None = None) -> int | None:
+        d = self._need(self._mem, "memory")
+        limit = None if limit_bytes is None else page_align_up(limit_bytes)
+        hard = limit if hard_limit_bytes is None else page_align_up(hard_limit_bytes)
+        kill_disabled = limit is not None and (hard is None or hard > limit)
+        path = f"{d}/memory.limit_in_bytes"
+        try:
+            self._fs.write(path, str(-1 if limit is None else limit))
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                with translate_oserror(self.name, path):
+                    raise
+            # The kernel could not reclaim down to the new limit: the old one stays in force.
+            self._limit = _limit_or_none(self._read_int(path))
+            return self._limit
+        self._limit = limit
+        self._hard = hard
+        if kill_disabled != self._kill_disabled:
+            # Enabling the OOM killer after the limit moved wakes tasks sleeping at the old limit:
+            # they retry against the new one and are killed only if they still do not fit.
+            path = f"{d}/memory.oom_control"
+            with translate_oserror(self.name, path):
+                self._fs.write(path, "1" if kill_disabled else "0")
+            self._kill_disabled = kill_disabled
+        return self._limit
+
+    def set_pids(self, max_pids: int | None) -> None:
+        d = self._need(self._pids, "pids")
+        path = f"{d}/pids.max"
+        with translate_oserror(self.name, path):
+            self._fs.write(path, "max" if max_pids is None else str(int(max_pids)))
+        self._pids_max = None if max_pids is None else int(max_pids)
+
+    def sample(self) -> CgroupSample:
+        read = self._files.read
+        ts = time.monotonic()
+        path = ""
+        usage_ns = 0
+        mem_usage = failcnt = oom_kills = pids_current = 0
+        under_oom = False
+        cpu_some = mem_some = mem_full = None
+        mem_some_total = mem_full_total = None
+        try:
+            if self._acct is not None:
+                path = self._acct + "/cpuacct.usage"
+                usage_ns = int(read(path))
+            if self._cpu is not None and (usage_ns != self._last_usage_ns or self._acct is None):
+                # A group that used no CPU since the last read ran no CFS period either, so the
+                # throttling counters cannot have moved: skip the read (idle envs are the norm).
+                path = self._cpu + "/cpu.stat"
+                st = parse_flat_keyed(read(path))
+                self._cpu_stat = (st[b"nr_periods"], st[b"nr_throttled"], st[b"throttled_time"])
+                self._last_usage_ns = usage_ns
+            if self._mem is not None:
+                path = self._mem + "/memory.usage_in_bytes"
+                mem_usage = int(read(path))
+                path = self._mem + "/memory.failcnt"
+                failcnt = int(read(path))
+                path = self._mem + "/memory.oom_control"
+                oom = parse_flat_keyed(read(path))
+                under_oom = bool(oom[b"under_oom"])
+                oom_kills = oom.get(b"oom_kill", 0)
+            if self._pids is not None:
+                path = self._pids + "/pids.current"
+                pids_current = int(read(path))
+            if self._unified is not None:
+                path = self._unified + "/memory.pressure"
+                mem_some, mem_full, mem_some_total, mem_full_total = parse_pressure(read(path))
+                path = self._unified + "/cpu.pressure"
+                cpu_some = parse_pressure(read(path))[0]
+        except OSError as exc:
+            with translate_oserror(self.name, path):
+                raise exc from None
+        except (ValueError, KeyError, IndexError) as exc:
+            raise CgroupError(f"unexpected cgroupfs content: {exc!r}", group=self.name, path=path) from exc
+        nr_periods, nr_throttled, throttled_ns = self._cpu_stat
+        return CgroupSample(
+            timestamp_s=ts,
+            cpu_usage_ns=usage_ns,
+            nr_periods=nr_periods,
+            nr_throttled=nr_throttled,
+            throttled_ns=throttled_ns,
+            cpu_quota_cores=self._quota_cores,
+            memory_usage_bytes=mem_usage,
+            memory_limit_bytes=self._limit,
+            memory_hard_limit_bytes=self._hard,
+            memory_limit_hits=failcnt,
+            memory_high_events=0,
+            memory_stalled=under_oom,
+            oom_events=oom_kills,
+            oom_kills=oom_kills,
+            pids_current=pids_current,
+            pids_max=self._pids_max,
+            cpu_pressure_some_avg10=cpu_some,
+            memory_pressure_some_avg10=mem_some,
+            memory_pressure_full_avg10=mem_full,
+            memory_pressure_some_total_us=mem_some_total,
+            memory_pressure_full_total_us=mem_full_total,
+        )
+
+    def _freezer_state(self) -> bytes:
+        path = f"{self._need(self._frz, 'freezer')}/freezer.state"
+        with translate_oserror(self.name, path):
+            return self._fs.read(path).strip()
+
+    def freeze(self, timeout_s: float = 1.0) -> None:
+        path = f"{self._need(self._frz, 'freezer')}/freezer.state"
+        with translate_oserror(self.name, path):
+            self._fs.write(path, "FROZEN")
+        deadline = time.monotonic() + timeout_s
+        # FREEZING until every task has stopped; typically well under a millisecond.
+        delay_s = 0.0002
+        while self._freezer_state() != b"FROZEN":
+            if time.monotonic() > deadline:
+                raise CgroupBusyError(f"still FREEZING after {timeout_s} s", group=self.name, path=path)
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.01)
+
+    def thaw(self) -> None:
+        path = f"{self._need(self._frz, 'freezer')}/freezer.state"
+        with translate_oserror(self.name, path):
+            self._fs.write(path, "THAWED")
+
+    def is_frozen(self) -> bool:
+        return self._freezer_state() == b"FROZEN"
+
+    def pids(self) -> list[int]:
+        found: set[int] = set()
+        for path in self.procs_paths():
+            try:
+                data = self._fs.read(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                with translate_oserror(self.name, path):
+                    raise exc from None
+            found.update(int(x) for x in data.split())
+        return sorted(found)
+
+    def kill_all(self) -> int:
+        pids = self.pids()
+        if not pids:
+            return 0
+        # Frozen tasks cannot fork, so the pid list read while frozen is complete.
+        if self._frz is not None:
+            try:
+                self.freeze(timeout_s=0.5)
+            except CgroupBusyError:
+                pass  # a task in uninterruptible sleep; SIGKILL still lands when it wakes
+        try:
+            pids = self.pids()
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        finally:
+            if self._frz is not None:
+                self.thaw()
+        return len(pids)
+
+    def remove(self, timeout_s: float = 2.0) -> None:
+        self._files.close()
+        deadline = time.monotonic() + timeout_s
+        for d in self._dirs:
+            delay_s = 0.001
+            while True:
+                try:
+                    self._fs.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        with translate_oserror(self.name, d):
+                            raise exc from None
+                    if time.monotonic() > deadline:
+                        raise CgroupBusyError(
+                            f"processes {self.pids()} still inside after {timeout_s} s",
+                            group=self.name, path=d,
+                        ) from exc
+                    time.sleep(delay_s)
+                    delay_s = min(delay_s * 2, 0.05)
+
+
+class V1Backend(CgroupBackend):
+    """Groups under ``parents[controller]/<name>`` for each v1 controller (see :func:`detect_backend`)."""
+
+    version = "v1"
+
+    def __init__(
+        self,
+        parents: Mapping[str, str],
+        *,
+        unified_parent: str | None = None,
+        memory_mount: str | None = None,
+        fs: CgroupFs | None = None,
+    ):
+        if "memory" not in parents:
+            raise CgroupUnavailableError("cgroup v1 without a memory hierarchy")
+        self._fs = fs or CgroupFs()
+        self._parents = {c: parents[c].rstrip("/") for c in V1_CONTROLLERS if c in parents}
+        self._unified = unified_parent.rstrip("/") if unified_parent else None
+        self._memory_mount = (memory_mount or "").rstrip("/")
+        for d in _unique([*self._parents.values(), self._unified]):
+            try:
+                self._fs.mkdir(d)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                with translate_oserror(None, d):
+                    raise exc from None
+        self.features = self._probe_features()
+
+    def _probe_features(self) -> frozenset[str]:
+        fs = self._fs
+        p = self._parents
+        features = {"memory", "kill"}
+        if "cpu" in p and fs.exists(f"{p['cpu']}/cpu.cfs_quota_us"):
+            features.add("cpu")
+        if "pids" in p:
+            features.add("pids")
+        if "freezer" in p:
+            features.add("freeze")
+        if self._unified is not None and fs.exists(f"{self._unified}/memory.pressure"):
+            features.add("pressure")
+        return frozenset(features)
+
+    @property
+    def parent_dirs(self) -> list[str]:
+        """weenv's parent directory in every hierarchy (what tests check is left clean)."""
+        return _unique([*self._parents.values(), self._unified])
+
+    def _group(self, name: str) -> V1Cgroup:
+        dirs = {c: f"{d}/{name}" for c, d in self._parents.items()}
+        unified = f"{self._unified}/{name}" if "pressure" in self.features else None
+        return V1Cgroup(name, dirs, unified, self._fs)
+
+    def create(self, name: str) -> V1Cgroup:
+        check_name(name)
+        group = self._group(name)
+        created: list[str] = []
+        try:
+            for d in group._dirs:
+                try:
+                    self._fs.mkdir(d)
+                except FileExistsError:
+                    raise CgroupExistsError("group already exists", group=name, path=d) from None
+                except OSError as exc:
+                    with translate_oserror(name, d):
+                        raise exc from None
+                created.append(d)
+        except BaseException:
+            for d in reversed(created):
+                try:
+                    self._fs.rmdir(d)
+                except OSError:
+                    pass
+            raise
+        return group
+
+    def open(self, name: str) -> V1Cgroup:
+        check_name(name)
+        group = self._group(name)
+        if not self._fs.isdir(group._dirs[0]):
+            raise CgroupNotFoundError("no such group", group=name, path=group._dirs[0])
+        # A daemon that died between mkdirs leaves the group missing from later hierarchies.
+        for d in group._dirs[1:]:
+            try:
+                self._fs.mkdir(d)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                with translate_oserror(name, d):
+                    raise exc from None
+        group._load_limits()
+        return group
+
+    def list(self) -> list[str]:
+        names: set[str] = set()
+        for d in self.parent_dirs:
+            try:
+                entries = self._fs.listdir(d)
+            except FileNotFoundError:
+                continue
+            names.update(e for e in entries if self._fs.isdir(f"{d}/{e}"))
+        return sorted(names)
+
+    def node_memory(self) -> tuple[int, int]:
+        total, available = read_meminfo()
+        # Walk from weenv's parent up to (not including) the hierarchy root: a memory limit on the
+        # daemon's own cgroup, or above it, is the node as far as weenv is concerned.
+        d = os.path.dirname(self._parents["memory"])
+        while self._memory_mount and d.startswith(self._memory_mount + "/"):
+            try:
+                limit = _limit_or_none(int(self._fs.read(f"{d}/memory.limit_in_bytes")))
+                if limit is not None and limit < total:
+                    usage = int(self._fs.read(f"{d}/memory.usage_in_bytes"))
+                    total = limit
+                    available = min(available, max(0, limit - usage))
+            except OSError as exc:
+                with translate_oserror(None, d):
+                    raise exc from None
+            d = os.path.dirname(d)
+        return total, min(available, total)
+
+    def remove_parent(self) -> bool:
+        if self.list():
+            return False
+        for d in self.parent_dirs:
+            try:
+                self._fs.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    return False
+                with translate_oserror(None, d):
+                    raise exc from None
+        return True
