@@ -9,7 +9,7 @@ import click
 from rich.markup import escape
 
 from .. import plan as planlib
-from ._common import errors_to_exit, print_json, stdout
+from ._common import errors_to_exit, human_bytes, print_json, stdout
 from . import main
 
 
@@ -33,6 +33,11 @@ def _range(low: str, high: str) -> str:
     return low if low == high else f"{low}-{high}"
 
 
+def _size(size_bytes: int) -> str:
+    exact = planlib.format_size(size_bytes)
+    return exact if isinstance(exact, str) else human_bytes(size_bytes)
+
+
 def _print_summary(path: str, p: planlib.Plan) -> None:
     kind = "lock" if planlib.is_locked(p) else "plan"
     n = len(p.groups)
@@ -44,10 +49,9 @@ def _print_summary(path: str, p: planlib.Plan) -> None:
             line += f"  [dim]{g.digest[:19]}… toc {g.toc_digest[:19]}…[/]"
         stdout.print(line)
     r = p.resources
-    size = planlib.format_size
     stdout.print(
         f"  cpu {_range(f'{r.cpu.min:g}', f'{r.cpu.max:g}')} cores · memory "
-        f"{_range(str(size(r.memory.min)), str(size(r.memory.max)))} · pids {r.pids} · disk {size(r.disk)} · "
+        f"{_range(_size(r.memory.min), _size(r.memory.max))} · pids {r.pids} · disk {_size(r.disk)} · "
         f"network {p.network} · ttl {'none' if p.ttl_s is None else f'{p.ttl_s:g}s'}"
     )
     if p.snapshot:
@@ -94,7 +98,10 @@ def _default_lock_path(plan_path: str) -> str:
 def lock_cmd(plan_path: str, output: str | None, as_json: bool) -> None:
     """Pin every group of PLAN to its manifest, layer and TOC digests."""
     p = planlib.load_any(plan_path)
-    lock = planlib.lock_plan(p, _resolver())
+    try:
+        lock = planlib.lock_plan(p, _resolver())
+    except planlib.LockError as e:
+        raise click.ClickException(f"{plan_path}: {e}") from None
     out = output or _default_lock_path(plan_path)
     if out == "-":
         sys.stdout.write(planlib.dump_plan(lock, "toml"))

@@ -111,7 +111,7 @@ def _sizes_to_bytes(raw: Any, cls: type, problems: list[Problem]) -> Any:
                 problems.append(Problem(format_location(path), str(e)))
         return value
 
-    return map_sizes(raw, type_info(cls), convert)
+    return map_sizes(raw, cls, convert)
 
 
 def decode_builtins(raw: Any, cls: type[P], *, source: str = "<plan>", fmt: Format = "toml") -> P:
@@ -148,6 +148,8 @@ def decode_builtins(raw: Any, cls: type[P], *, source: str = "<plan>", fmt: Form
 
 def _load(src: PlanSource, cls: type[Plan] | None, fmt: Format | None, source: str | None) -> Plan:
     text, name = _read_source(src, source)
+    if fmt is None and sniff_format(text) == "toml" and name.lower().endswith(".json"):
+        fmt = "json"  # a .json file that does not start with "{" is still meant as JSON
     raw, used = parse_document(text, fmt, source=name)
     if cls is None:
         cls = Lock if isinstance(raw, dict) and "lock_version" in raw else Plan
@@ -158,7 +160,7 @@ def load_plan(src: PlanSource, *, fmt: Format | None = None, source: str | None 
     """A :class:`Plan` from a file (``Path``, or a ``str`` path) or from document text.
 
     A ``str`` is read as text when it contains a newline or ``=``, or starts with ``{`` or ``[``; otherwise it
-    is a path. ``fmt`` defaults to sniffing (``{`` → JSON, else TOML); ``source`` names the
+    is a path. ``fmt`` defaults to sniffing (``{`` → JSON, a ``.json`` name → JSON, else TOML); ``source`` names the
     document in messages (default: the path, or ``<plan>``). A lock is refused: use :func:`load_any`.
     """
     return _load(src, Plan, fmt, source)
@@ -200,7 +202,7 @@ def plan_to_builtins(plan: Plan, *, human_sizes: bool = False, drop_empty: bool 
     fields left out (absent and ``None`` mean the same); ``lock_version`` first for locks."""
     data = _drop_none(msgspec.to_builtins(plan), drop_empty)
     if human_sizes:
-        data = map_sizes(data, type_info(type(plan)), lambda v, _p: format_size(v) if isinstance(v, int) else v)
+        data = map_sizes(data, type(plan), lambda v, _p: format_size(v) if isinstance(v, int) else v)
     if "lock_version" in data:
         data = {"lock_version": data.pop("lock_version"), **data}
     return data

@@ -131,8 +131,8 @@ def verify_manifest(group: LockedGroup, manifest: bytes) -> None:
         raise fail(f"layer digest mismatch: the manifest does not reference {group.layer_digest}")
     if layer.get("size") != group.layer_size:
         raise fail(f"layer size mismatch: the lock pins {group.layer_size}, the manifest says {layer.get('size')}")
-    for annotations in (layer.get("annotations"), doc.get("annotations")):
-        toc = annotations.get(TOC_DIGEST_ANNOTATION) if isinstance(annotations, dict) else None
+    for notes in (layer.get("annotations"), doc.get("annotations")):
+        toc = notes.get(TOC_DIGEST_ANNOTATION) if isinstance(notes, dict) else None
         if toc is not None and toc != group.toc_digest:
             raise fail(f"TOC digest mismatch: the lock pins {group.toc_digest}, the manifest says {toc}")
 

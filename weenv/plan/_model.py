@@ -37,6 +37,7 @@ LOCK_VERSION = 1
 
 GROUP_CLASSES: tuple[str, ...] = ("os", "toolchain", "harness", "evaluator", "task")
 """Change-rate classes, bottom first: groups are listed in this order (equal classes may repeat)."""
+NETWORKS: tuple[str, ...] = ("none", "loopback")
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"

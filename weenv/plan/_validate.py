@@ -19,7 +19,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from ._errors import Problem
-from ._model import GROUP_CLASSES, PATTERN_DESCRIPTIONS, LockedGroup, Plan, group_class_rank
+from ._model import GROUP_CLASSES, NETWORKS, PATTERN_DESCRIPTIONS, LockedGroup, Plan, group_class_rank
 from ._ref import parse_ref
 from ._units import human_size
 from ._walk import (Segment, child_type, convert_ok, dict_item_types, format_location, is_size,
@@ -148,8 +148,9 @@ def translate_error(err: msgspec.ValidationError, raw: Any, root_cls: type, fmt:
     if (mm := re.match(r"Invalid enum value (.+)$", msg)):
         base = unwrap(t)[0] if t is not None else None
         values = [str(v) for v in base.values] if isinstance(base, mi.LiteralType) else []
-        if segments and segments[-1] == "class":
-            values = list(GROUP_CLASSES)  # in rank order, not msgspec's sorted order
+        for ordered in (GROUP_CLASSES, NETWORKS):  # msgspec sorts choices; say them in their own order
+            if set(ordered) == set(values):
+                values = list(ordered)
         return Problem(format_location(segments), f"expected one of {', '.join(values)}, got {mm[1]}")
     text = _rewrite(msg, shown, t, fmt)
     if not segments and text.startswith("expected a table"):
@@ -157,10 +158,22 @@ def translate_error(err: msgspec.ValidationError, raw: Any, root_cls: type, fmt:
     return Problem(format_location(segments), text)
 
 
+def _pattern_of(t: mi.Type | None) -> str | None:
+    for member in ([] if t is None else [t]):
+        base, _ = unwrap(member)
+        if isinstance(base, mi.UnionType):
+            base = next((unwrap(m)[0] for m in base.types if isinstance(unwrap(m)[0], mi.StrType)), None)
+        if isinstance(base, mi.StrType):
+            return base.pattern
+    return None
+
+
 def _rewrite(msg: str, value: Any, t: mi.Type | None, fmt: str, is_key: bool = False) -> str:
     size = is_size(t)
     if (mm := re.match(r"Expected `(\w+)` matching regex '(.*)'$", msg, re.DOTALL)):
-        desc = PATTERN_DESCRIPTIONS.get(mm[2], f"a string matching {mm[2]}")
+        # msgspec prints the pattern escaped; the type (or, for keys, the unescaped text) has it as written.
+        pattern = _pattern_of(t) or mm[2].replace("\\\\", "\\")
+        desc = PATTERN_DESCRIPTIONS.get(pattern, f"a string matching {pattern}")
         return f"expected {desc}, got {_show(value)}"
     if (mm := re.match(r"Expected `([^`]+)` of length (>=|<=) (\d+)$", msg)):
         what = _type_words(mm[1], fmt)
@@ -259,4 +272,4 @@ def shape_problem(raw: Any, fmt: str) -> Problem | None:
     if isinstance(raw, dict):
         return None
     got = "an array" if isinstance(raw, list) else _show(raw)
-    return Problem("", f"expected a {'table' if fmt == 'toml' else 'object'} of plan fields, got {got}")
+    return Problem("", f"expected {'a table' if fmt == 'toml' else 'an object'} of plan fields, got {got}")

@@ -78,26 +78,49 @@ def is_size(t: mi.Type | None) -> bool:
     return t is not None and any(unwrap(m)[1].get("unit") == "bytes" for m in _non_none(t))
 
 
-def map_sizes(value: Any, t: mi.Type, fn: Callable[[Any, list[Segment]], Any],
-              path: list[Segment] | None = None) -> Any:
-    """A copy of ``value`` (builtins) with ``fn(v, path)`` applied to every size field present.
+@functools.lru_cache(maxsize=None)
+def size_paths(cls: type) -> tuple[tuple[str | None, ...], ...]:
+    """Paths to every size field of ``cls``; ``None`` stands for any list index or dict key."""
+    out: list[tuple[str | None, ...]] = []
 
-    Shapes that do not match the type are left as they are, for msgspec to report.
-    """
-    path = path or []
-    if is_size(t):
-        return fn(value, path)
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            ct = child_type(t, k) if isinstance(k, str) else None
-            out[k] = map_sizes(v, ct, fn, [*path, k]) if ct is not None else v
-        return out
-    if isinstance(value, list):
-        ct = child_type(t, 0)
-        if ct is None:
-            return value
-        return [map_sizes(v, ct, fn, [*path, i]) for i, v in enumerate(value)]
+    def visit(t: mi.Type, path: tuple[str | None, ...], seen: frozenset[type]) -> None:
+        if is_size(t):
+            out.append(path)
+            return
+        for member in _non_none(t):
+            base, _ = unwrap(member)
+            if isinstance(base, mi.StructType) and base.cls not in seen:
+                for f in base.fields:
+                    visit(f.type, (*path, f.encode_name), seen | {base.cls})
+            elif isinstance(base, mi.ListType):
+                visit(base.item_type, (*path, None), seen)
+            elif isinstance(base, mi.DictType):
+                visit(base.value_type, (*path, None), seen)
+
+    visit(type_info(cls), (), frozenset())
+    return tuple(out)
+
+
+def map_sizes(value: Any, cls: type, fn: Callable[[Any, list[Segment]], Any]) -> Any:
+    """A copy of ``value`` (builtins of a ``cls``) with ``fn(v, path)`` applied to every size
+    field present. Shapes that do not match the type are left alone, for msgspec to report."""
+
+    def apply(node: Any, rest: tuple[str | None, ...], path: list[Segment]) -> Any:
+        if not rest:
+            return fn(node, path)
+        head, tail = rest[0], rest[1:]
+        if head is None:
+            if isinstance(node, list):
+                return [apply(v, tail, [*path, i]) for i, v in enumerate(node)]
+            if isinstance(node, dict):
+                return {k: apply(v, tail, [*path, k]) for k, v in node.items()}
+            return node
+        if isinstance(node, dict) and head in node:
+            return {**node, head: apply(node[head], tail, [*path, head])}
+        return node
+
+    for p in size_paths(cls):
+        value = apply(value, p, [])
     return value
 
 
