@@ -118,6 +118,8 @@ class Monitor:
         if limits.pids_max is not None:
             cgroup.set_pids(limits.pids_max)
         env = _Env(env_id, cgroup, limits, state)
+        # A baseline now lets the very first tick judge rates (one tick sooner to react).
+        env.last = cgroup.sample()
         self._envs[env_id] = env
         log.info(
             "env %s: monitored, cpu %s cores, memory %s bytes (limits %s)",

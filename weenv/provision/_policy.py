@@ -30,6 +30,8 @@ import msgspec
 from .cgroups._base import CgroupSample, page_align_up
 
 _MIB = 1 << 20
+# Tick times are sums of floats; a hold of exactly N ticks must not miss by one ulp.
+_EPS_S = 1e-6
 
 
 def _mib(n: int) -> str:
@@ -235,7 +237,7 @@ def decide(
         elif usage_cores < cfg.cpu_low_share * quota and quota > lo:
             if cpu_low_since is None:
                 cpu_low_since = now_s
-            elif now_s - cpu_low_since >= cfg.hold_s:
+            elif now_s - cpu_low_since >= cfg.hold_s - _EPS_S:
                 target = max(quota / 2, lo)
                 new_quota, cpu_change, cpu_last_change = target, "down", now_s
                 # The next halving needs a full hold again.
@@ -294,7 +296,7 @@ def decide(
         elif usage < cfg.memory_low_water * limit and limit > lo:
             if mem_low_since is None:
                 mem_low_since = now_s
-            elif now_s - mem_low_since >= cfg.hold_s:
+            elif now_s - mem_low_since >= cfg.hold_s - _EPS_S:
                 target = max(limit // 2, page_align_up(usage + cfg.memory_headroom_bytes), lo)
                 if target < limit:
                     new_limit, mem_change, mem_last_change = target, "down", now_s

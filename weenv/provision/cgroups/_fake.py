@@ -54,10 +54,12 @@ class FakeCgroup(Cgroup):
 
     def _advance(self) -> float:
         now = self._backend.clock()
-        dt = max(0.0, now - self._last_s)
+        dt = now - self._last_s
+        if dt <= 0:
+            return now  # no time passed, nothing happened
         self._last_s = now
         demand = 0.0 if self.frozen else self.cpu_demand_cores
-        if demand > 0 and dt > 0:
+        if demand > 0:
             periods = dt * 1e6 / self.period_us
             quota = self.quota_cores
             used = demand if quota is None else min(demand, quota)
@@ -116,6 +118,8 @@ class FakeCgroup(Cgroup):
                 # What v1 does when it cannot reclaim: EBUSY, old limit stays.
                 return self.limit_bytes
             self.limit_bytes, self.hard_limit_bytes = limit, hard
+            if limit is None or self.memory_demand_bytes <= limit:
+                self.stalled = False  # a raised limit wakes the waiting task at once
             self.history.append(("memory", (limit, hard)))
             return limit
 
