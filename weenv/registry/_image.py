@@ -522,29 +522,45 @@ class ExportResult:
     layers: list[str] = field(default_factory=list)  # layer digests, bottom first
 
 
+class _IterStream(io.RawIOBase):
+    """A read-only stream over an iterator of byte chunks."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._it, self._buf = chunks, memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._buf:
+            nxt = next(self._it, None)
+            if nxt is None:
+                return 0
+            self._buf = memoryview(nxt)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
 def _diff_id(chunks: Iterator[bytes], tar_sink: Callable[[bytes], object] | None = None) -> str:
     """sha256 of the uncompressed tar stream (skippable frames, our TOC and footer, add nothing).
 
     ``tar_sink`` also receives the tar bytes (to recompress them).
     """
     h = hashlib.sha256()
-    dobj = zstandard.ZstdDecompressor().decompressobj()
-    pending = b""
-    for chunk in chunks:
-        pending += chunk
-        while pending:
-            try:
-                out = dobj.decompress(pending)
-            except zstandard.ZstdError as e:
-                raise IntegrityError(f"layer is not a zstd stream: {e}") from None
+    src = io.BufferedReader(_IterStream(chunks), 4 << 20)
+    reader = zstandard.ZstdDecompressor().stream_reader(src, read_across_frames=True, read_size=1 << 20)
+    try:
+        while True:
+            out = reader.read(4 << 20)
+            if not out:
+                break
             h.update(out)
-            if tar_sink is not None and out:
+            if tar_sink is not None:
                 tar_sink(out)
-            pending = dobj.unused_data
-            if dobj.eof:
-                dobj = zstandard.ZstdDecompressor().decompressobj()
-                continue
-            break
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"layer is not a zstd stream: {e}") from None
     return "sha256:" + h.hexdigest()
 
 
@@ -589,8 +605,9 @@ def _export_layer(store: Store, r: Ref, info: Any, blobs: str, compression: str,
 
                 diff_id = _diff_id(tee())
             else:
-                # mtime=0 and no file name: the same tree always gives the same gzip bytes
-                with gzip.GzipFile(filename="", mode="wb", fileobj=hw, compresslevel=6, mtime=0) as gz:  # type: ignore[arg-type]
+                # mtime=0 and no file name: the same tree always gives the same gzip bytes; level 1: this is a
+                # compatibility path where speed matters more than size
+                with gzip.GzipFile(filename="", mode="wb", fileobj=hw, compresslevel=1, mtime=0) as gz:  # type: ignore[arg-type]
                     diff_id = _diff_id(counted(), gz.write)
         if "sha256:" + src_hash.hexdigest() != info.layer_digest:
             raise IntegrityError(f"{r}: layer bytes do not match {info.layer_digest}")
