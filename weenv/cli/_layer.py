@@ -33,8 +33,13 @@ def open_layer_reader(source: str) -> Iterator[layerfmt.RandomAccessReader]:
     opener = _ref_opener()
     if opener is None:
         raise click.ClickException(f"no such layer file: {source}")
-    with opener(source) as r:
-        yield r
+    from ..registry import RegistryError
+
+    try:
+        with opener(source) as r:
+            yield r
+    except RegistryError as e:  # a REF that cannot be resolved or read
+        raise click.ClickException(str(e)) from None
 
 
 def _ref_opener():  # type: ignore[no-untyped-def]
