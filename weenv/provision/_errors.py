@@ -9,10 +9,23 @@
           ├── CgroupExistsError       create() of a group that is already there
           ├── CgroupNotFoundError     open() of a group that is not there, or it vanished mid-use
           └── CgroupBusyError         a group did not empty or freeze within its deadline
+     ├── SpecError                    bad input for an OCI runtime config (env var, user, network, mount)
+     │    └── UserNotFoundError       a user or group name the env's /etc/passwd or /etc/group lacks
+     ├── ContainerError               crun failed, or an env's container is not in the state asked for
+     │    ├── ContainerNotFoundError  no container with that env id (never created, or deleted)
+     │    └── ContainerExistsError    create() of an env id that already has a container
+     ├── EnvFileError                 a file operation inside an env's rootfs failed
+     │    ├── EnvFileNotFoundError    the path (or a parent) does not exist inside the rootfs
+     │    ├── EnvFileTypeError        a directory where a file was expected, or a FIFO/device/socket
+     │    └── EnvFileTooLargeError    a read above its byte limit
+     └── HostError                    this host lacks what the runtime needs (crun, an init, openat2...)
 
 Every cgroup error carries ``group`` (the weenv group name) and ``path`` (the cgroupfs file or
 directory) when they are known, and names them in its message. Lower-level ``OSError`` is
 translated at the cgroup backend boundary and kept as ``__cause__``.
+
+Container errors name the env id (and crun's own message); file errors name the path as seen
+inside the env. ``OSError`` from crun invocations and file system calls is kept as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -57,3 +70,61 @@ class CgroupNotFoundError(CgroupError):
 class CgroupBusyError(CgroupError):
     """Raised when a group still holds processes after its removal deadline, or did not reach
     the frozen state in time."""
+
+
+class SpecError(ProvisionError, ValueError):
+    """Raised by the OCI spec builder for input it refuses: an env var name with ``=`` or NUL, an
+    empty argv, a relative cwd, an unknown network mode, a bind mount that is not absolute."""
+
+
+class UserNotFoundError(SpecError, LookupError):
+    """Raised when a user or group given by name is not in the rootfs's /etc/passwd or
+    /etc/group (names are resolved inside the env, never on the host)."""
+
+
+class ContainerError(ProvisionError):
+    """Raised when crun fails or reports something unexpected; names the env id and carries
+    crun's message."""
+
+    def __init__(self, message: str, *, env_id: str | None = None, detail: str | None = None):
+        text = message if env_id is None else f"{message} (env {env_id!r})"
+        if detail:
+            text = f"{text}: {detail.strip()}"
+        super().__init__(text)
+        self.env_id = env_id
+        self.detail = detail
+
+
+class ContainerNotFoundError(ContainerError, LookupError):
+    """Raised for an env id that has no container in weenv's crun state directory."""
+
+
+class ContainerExistsError(ContainerError):
+    """Raised by ``create()`` for an env id that already has a container."""
+
+
+class EnvFileError(ProvisionError):
+    """Raised when a file operation inside an env's rootfs fails; names the path as seen inside
+    the env."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(f"{message}: {path!r}" if path is not None else message)
+        self.path = path
+
+
+class EnvFileNotFoundError(EnvFileError, FileNotFoundError):
+    """Raised when the path, or one of its parent directories, does not exist in the rootfs."""
+
+
+class EnvFileTypeError(EnvFileError):
+    """Raised for a directory where a file was expected (or the reverse), and for FIFOs, devices
+    and sockets, which are never opened."""
+
+
+class EnvFileTooLargeError(EnvFileError):
+    """Raised when a file is larger than the byte limit given to ``read()``."""
+
+
+class HostError(ProvisionError):
+    """Raised when the host lacks something the runtime needs: the crun binary, a static init
+    (catatonit), or a kernel feature; the message names it and the package that provides it."""
