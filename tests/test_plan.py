@@ -18,7 +18,6 @@ import weenv.plan as wp
 from weenv.cli import main as cli_main
 from weenv.plan import (GROUP_CLASSES, Group, Lock, LockedGroup, LockError, Mount, Plan, PlanError,
                         PlanSyntaxError, PlanValidationError, ResolvedGroup)
-from weenv.plan._model import ENV_NAME_PATTERN, NAME_PATTERN
 from weenv.plan._ref import REF_PATTERN
 from weenv.plan._units import SIZE_PATTERN
 
@@ -1018,3 +1017,12 @@ def test_lock_against_a_real_registry_and_the_local_store(registry, tmp_path, mo
     stale = plan_file.read_text().replace('ref = "plantest/task:v1"', f'ref = "plantest/task:v1@{pub_task.digest}"')
     with pytest.raises(LockError, match=r"groups\[1\] \(task\): 'plantest/task:v1@sha256:[0-9a-f]+' pins "):
         wp.lock_plan(wp.load_plan(stale), lambda ref: resolve_group(ref.split("@")[0]))
+
+
+def test_the_documented_example_is_valid_and_its_toml_and_json_agree():
+    doc = (REPO_ROOT / "docs" / "plan.md").read_text()
+    toml_text = re.findall(r"```toml\n(.*?)```", doc, re.S)[0]
+    json_text = re.findall(r"```json\n(.*?)```", doc, re.S)[0]
+    p = wp.load_plan(toml_text, source="docs/plan.md")
+    assert wp.load_plan(json_text, source="docs/plan.md") == p
+    assert len(p.groups) == 3 and p.mounts and p.init and p.ttl_s
