@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.fixtures_common import require_command
+from tests.fixtures_common import require_command, require_root
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 
@@ -375,5 +375,84 @@ def weenv_home(tmp_path: "os.PathLike[str]", monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.delenv("WEENV_REGISTRY_PASSWORD", raising=False)
     monkeypatch.setenv("DOCKER_CONFIG", os.path.join(home, "docker-config"))
     return home
+
+
+
+
+# ------------------------------------------------------------------------------------- images
+
+
+def run_tool(*cmd: str) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr[-2000:]}")
+    return p
+
+
+def umoci_unpack(image: str, dest: str) -> str:
+    run_tool("umoci", "unpack", "--image", image, dest)
+    return os.path.join(dest, "rootfs")
+
+
+@pytest.fixture(scope="session")
+def busybox_oci() -> Iterator[str]:
+    """An OCI layout ``DIR`` with tag ``bb``: three layers made by umoci from a busybox-static rootfs.
+
+    Layer 0: the rootfs (applets as relative symlinks, a hardlink, files to delete later).
+    Layer 1: deletes a file and a directory (whiteouts) and adds etc/new.
+    Layer 2: re-creates the deleted directory with new content.
+    """
+    require_root()
+    for tool in ("umoci", "skopeo", "busybox"):
+        require_command(tool)
+    work = tempfile.mkdtemp(prefix="weenv-bb-")
+    try:
+        layout = os.path.join(work, "oci")
+        bundle = os.path.join(work, "bundle")
+        run_tool("umoci", "init", "--layout", layout)
+        run_tool("umoci", "new", "--image", f"{layout}:bb")
+        run_tool("umoci", "unpack", "--image", f"{layout}:bb", bundle)
+        rootfs = os.path.join(bundle, "rootfs")
+        for d in ("bin", "etc", "tmp/cache", "var/lib/x", "srv/data"):
+            os.makedirs(os.path.join(rootfs, d), exist_ok=True)
+        shutil.copy2(shutil.which("busybox") or "/usr/bin/busybox", os.path.join(rootfs, "bin", "busybox"))
+        for applet in ("sh", "ls", "cat", "echo"):
+            os.symlink("busybox", os.path.join(rootfs, "bin", applet))
+        with open(os.path.join(rootfs, "etc", "motd"), "w") as f:
+            f.write("hi\n")
+        os.link(os.path.join(rootfs, "etc", "motd"), os.path.join(rootfs, "etc", "motd.hard"))
+        for rel in ("var/lib/x/gone", "tmp/cache/old", "srv/data/keep"):
+            with open(os.path.join(rootfs, rel), "w") as f:
+                f.write(rel)
+        os.chmod(os.path.join(rootfs, "srv/data/keep"), 0o600)
+        run_tool("umoci", "repack", "--image", f"{layout}:bb", bundle)
+        shutil.rmtree(bundle)
+        run_tool("umoci", "unpack", "--image", f"{layout}:bb", bundle)
+        os.unlink(os.path.join(rootfs, "var/lib/x/gone"))
+        shutil.rmtree(os.path.join(rootfs, "tmp/cache"))
+        with open(os.path.join(rootfs, "etc", "new"), "w") as f:
+            f.write("new\n")
+        run_tool("umoci", "repack", "--image", f"{layout}:bb", bundle)
+        shutil.rmtree(bundle)
+        run_tool("umoci", "unpack", "--image", f"{layout}:bb", bundle)
+        os.makedirs(os.path.join(rootfs, "tmp/cache"))
+        with open(os.path.join(rootfs, "tmp/cache/fresh"), "w") as f:
+            f.write("fresh\n")
+        run_tool("umoci", "repack", "--image", f"{layout}:bb", bundle)
+        run_tool("umoci", "config", "--image", f"{layout}:bb", "--config.env=FOO=bar", "--config.workingdir=/srv",
+            "--config.user=1000:1000", "--config.cmd=/bin/sh", "--config.entrypoint=/bin/busybox")
+        yield layout
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def busybox_reference(busybox_oci: str) -> Iterator[str]:
+    """umoci's own unpack of the busybox image: the tree every import/export must reproduce."""
+    work = tempfile.mkdtemp(prefix="weenv-bb-ref-")
+    try:
+        yield umoci_unpack(f"{busybox_oci}:bb", os.path.join(work, "b"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 

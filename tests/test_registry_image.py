@@ -10,12 +10,12 @@ import stat
 import subprocess
 import tarfile
 import tempfile
-from collections.abc import Iterator
 
 import pytest
 
 import weenv.registry as R
 from tests.fixtures_common import require_command, require_root
+from tests.fixtures_registry import umoci_unpack
 from weenv import layerfmt
 from weenv.registry._oci import CONFIG_V1, INDEX_V1, LAYER_TAR, MANIFEST_V1, canonical_json, descriptor_json
 
@@ -78,74 +78,7 @@ def assert_same_tree(a: str, b: str) -> None:
     assert sa["hardlink_groups"] == sb["hardlink_groups"]  # type: ignore[index]
 
 
-def umoci_unpack(image: str, dest: str) -> str:
-    run("umoci", "unpack", "--image", image, dest)
-    return os.path.join(dest, "rootfs")
-
-
 # ------------------------------------------------------------------------------------- busybox image
-
-
-@pytest.fixture(scope="session")
-def busybox_oci() -> Iterator[str]:
-    """An OCI layout ``DIR`` with tag ``bb``: three layers made by umoci from a busybox-static rootfs.
-
-    Layer 0: the rootfs (applets as relative symlinks, a hardlink, files to delete later).
-    Layer 1: deletes a file and a directory (whiteouts) and adds etc/new.
-    Layer 2: re-creates the deleted directory with new content.
-    """
-    require_root()
-    for tool in ("umoci", "skopeo", "busybox"):
-        require_command(tool)
-    work = tempfile.mkdtemp(prefix="weenv-bb-")
-    try:
-        layout = os.path.join(work, "oci")
-        bundle = os.path.join(work, "bundle")
-        run("umoci", "init", "--layout", layout)
-        run("umoci", "new", "--image", f"{layout}:bb")
-        run("umoci", "unpack", "--image", f"{layout}:bb", bundle)
-        rootfs = os.path.join(bundle, "rootfs")
-        for d in ("bin", "etc", "tmp/cache", "var/lib/x", "srv/data"):
-            os.makedirs(os.path.join(rootfs, d), exist_ok=True)
-        shutil.copy2(shutil.which("busybox") or "/usr/bin/busybox", os.path.join(rootfs, "bin", "busybox"))
-        for applet in ("sh", "ls", "cat", "echo"):
-            os.symlink("busybox", os.path.join(rootfs, "bin", applet))
-        with open(os.path.join(rootfs, "etc", "motd"), "w") as f:
-            f.write("hi\n")
-        os.link(os.path.join(rootfs, "etc", "motd"), os.path.join(rootfs, "etc", "motd.hard"))
-        for rel in ("var/lib/x/gone", "tmp/cache/old", "srv/data/keep"):
-            with open(os.path.join(rootfs, rel), "w") as f:
-                f.write(rel)
-        os.chmod(os.path.join(rootfs, "srv/data/keep"), 0o600)
-        run("umoci", "repack", "--image", f"{layout}:bb", bundle)
-        shutil.rmtree(bundle)
-        run("umoci", "unpack", "--image", f"{layout}:bb", bundle)
-        os.unlink(os.path.join(rootfs, "var/lib/x/gone"))
-        shutil.rmtree(os.path.join(rootfs, "tmp/cache"))
-        with open(os.path.join(rootfs, "etc", "new"), "w") as f:
-            f.write("new\n")
-        run("umoci", "repack", "--image", f"{layout}:bb", bundle)
-        shutil.rmtree(bundle)
-        run("umoci", "unpack", "--image", f"{layout}:bb", bundle)
-        os.makedirs(os.path.join(rootfs, "tmp/cache"))
-        with open(os.path.join(rootfs, "tmp/cache/fresh"), "w") as f:
-            f.write("fresh\n")
-        run("umoci", "repack", "--image", f"{layout}:bb", bundle)
-        run("umoci", "config", "--image", f"{layout}:bb", "--config.env=FOO=bar", "--config.workingdir=/srv",
-            "--config.user=1000:1000", "--config.cmd=/bin/sh", "--config.entrypoint=/bin/busybox")
-        yield layout
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def busybox_reference(busybox_oci: str) -> Iterator[str]:
-    """umoci's own unpack of the busybox image: the tree every import/export must reproduce."""
-    work = tempfile.mkdtemp(prefix="weenv-bb-ref-")
-    try:
-        yield umoci_unpack(f"{busybox_oci}:bb", os.path.join(work, "b"))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def extract_group(ref: str, dest: str) -> str:
