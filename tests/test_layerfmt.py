@@ -658,3 +658,26 @@ def test_layerfmt_imports_nothing_from_other_weenv_packages_or_network_or_fuse()
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.text(min_size=1, max_size=120), kind=st.sampled_from(["file", "dir", "symlink", "hardlink", "char",
+                                                                     "fifo", "whiteout"]),
+       mode=st.integers(0, 0o7777), uid=st.integers(0, 1 << 22), size=st.integers(0, 1 << 40),
+       mtime=st.integers(0, 1 << 34), link=st.text(max_size=110), dev=st.integers(0, 4095))
+def test_fast_tar_headers_are_byte_identical_to_tarfile(name, kind, mode, uid, size, mtime, link, dev):
+    from weenv.layerfmt._tarheader import _TYPE_FLAGS, tar_header
+
+    name = name.replace("\x00", "")
+    link = link.replace("\x00", "") if kind in ("symlink", "hardlink") else ""
+    size = size if kind == "file" else 0
+    if not name:
+        return
+    ti = tarfile.TarInfo(name + ("/" if kind == "dir" and not name.endswith("/") else ""))
+    ti.type = _TYPE_FLAGS[kind]
+    ti.mode, ti.uid, ti.gid, ti.size, ti.mtime, ti.linkname = mode, uid, uid, size, mtime, link
+    ti.uname = ti.gname = ""
+    ti.devmajor = ti.devminor = dev if kind == "char" else 0
+    expected = ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    got = tar_header(name, kind, mode, uid, uid, size, mtime, link, ti.devmajor, ti.devminor)
+    assert got == expected

@@ -7,7 +7,7 @@ import os
 import tarfile
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -17,8 +17,10 @@ import zstandard
 from ._errors import LayerError, LayerInputError
 from ._io import Writer
 from ._source import SourceEntry, scan_directory, scan_tar
+from ._tarheader import tar_header
 from ._toc import (
     DEFAULT_CHUNK_SIZE,
+    EMPTY_SHA256,
     DEFAULT_LIMITS,
     FORMAT_VERSION,
     SKIPPABLE_HEADER,
@@ -32,13 +34,6 @@ from ._toc import (
 )
 
 DEFAULT_LEVEL = 3
-_INLINE_BYTES = 32 << 10  # below this, compressing on the calling thread beats a pool round trip
-_EMPTY_SHA256 = hashlib.sha256(b"").digest()
-_TAR_TYPES = {
-    "file": tarfile.REGTYPE, "dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
-    "hardlink": tarfile.LNKTYPE, "char": tarfile.CHRTYPE, "block": tarfile.BLKTYPE,
-    "fifo": tarfile.FIFOTYPE, "whiteout": tarfile.REGTYPE, "opaque": tarfile.REGTYPE,
-}
 
 
 @dataclass
@@ -56,31 +51,59 @@ class BuildResult:
     prefetch_missing: list[str] = field(default_factory=list)
 
 
-class _Done:
-    """A completed stand-in for a Future (inline compression)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: tuple[bytes, bytes | None]):
-        self._value = value
-
-    def result(self) -> tuple[bytes, bytes | None]:
-        return self._value
+_HEADER, _CHUNK, _LANDMARK = 0, 1, 2
 
 
-class _FrameWriter:
-    """Compresses frames on a thread pool and writes them strictly in submission order."""
+class _Item:
+    """One unit of work: a header frame, one chunk of a file, or the prefetch landmark."""
 
-    def __init__(self, out: Writer, level: int, threads: int, max_pending_bytes: int):
+    __slots__ = ("kind", "data", "source", "entry", "uoffset", "ulength", "last", "multi")
+
+    def __init__(self, kind: int, data: bytes = b"", source: SourceEntry | None = None, entry: Entry | None = None,
+                 uoffset: int = 0, ulength: int = 0, last: bool = False, multi: bool = False):
+        self.kind, self.data, self.source, self.entry = kind, data, source, entry
+        self.uoffset, self.ulength, self.last, self.multi = uoffset, ulength, last, multi
+
+
+class _Pipeline:
+    """Reads, hashes and compresses batches of items on worker threads; writes frames in order.
+
+    Batching amortizes the pool round trip over many small files; the calling thread only orders
+    entries, encodes tar headers and writes, so two cores keep two compressors busy.
+    """
+
+    def __init__(self, out: Writer, level: int, threads: int, max_pending_bytes: int, batch_bytes: int = 1 << 20):
         self.out = out
         self.offset = 0
+        self.prefetch_end = 0
         self._hash = hashlib.sha256()
         self._level = level
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weenv-zstd") if threads > 1 else None
-        self._pending: deque[tuple[Future | _Done, int, Callable[[int, int, bytes | None], None] | None]] = deque()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weenv-build") if threads > 1 else None
+        self._pending: deque[tuple[Future | list, list[_Item], int]] = deque()
         self._pending_bytes = 0
         self._max_pending = max_pending_bytes
+        self._batch: list[_Item] = []
+        self._batch_cost = 0
+        self._batch_limit = batch_bytes
+        self._whole: hashlib._Hash | None = None
+
+    def add(self, item: _Item) -> None:
+        self._batch.append(item)
+        self._batch_cost += item.ulength + len(item.data) + 4096  # small files still cost an open()
+        if self._batch_cost >= self._batch_limit or len(self._batch) >= 256:
+            self.submit()
+
+    def submit(self) -> None:
+        if not self._batch:
+            return
+        batch, cost = self._batch, self._batch_cost
+        self._batch, self._batch_cost = [], 0
+        fut: Future | list = self._pool.submit(self._work, batch) if self._pool is not None else self._work(batch)
+        self._pending.append((fut, batch, cost))
+        self._pending_bytes += cost
+        while self._pending_bytes > self._max_pending or (self._pending and isinstance(self._pending[0][0], list)):
+            self._drain_one()
 
     def _compressor(self) -> zstandard.ZstdCompressor:
         c = getattr(self._local, "c", None)
@@ -88,30 +111,65 @@ class _FrameWriter:
             c = self._local.c = zstandard.ZstdCompressor(level=self._level, write_content_size=True)
         return c
 
-    def _compress(self, data: bytes, want_digest: bool) -> tuple[bytes, bytes | None]:
-        return self._compressor().compress(data), (hashlib.sha256(data).digest() if want_digest else None)
-
-    def frame(self, data: bytes, on_written: Callable[[int, int, bytes | None], None] | None = None,
-              want_digest: bool = False) -> None:
-        if self._pool is None or len(data) < _INLINE_BYTES:
-            fut: Future | _Done = _Done(self._compress(data, want_digest))
-        else:
-            fut = self._pool.submit(self._compress, data, want_digest)
-        self._pending.append((fut, len(data), on_written))
-        self._pending_bytes += len(data)
-        while self._pending_bytes > self._max_pending or (self._pending and isinstance(self._pending[0][0], _Done)):
-            self._drain_one()
+    def _work(self, batch: list[_Item]) -> list[tuple[bytes, bytes, bytes | None]]:
+        comp = self._compressor()
+        out: list[tuple[bytes, bytes, bytes | None]] = []
+        f = None
+        f_source = None
+        try:
+            for it in batch:
+                if it.kind == _HEADER:
+                    out.append((comp.compress(it.data), b"", None))
+                elif it.kind == _CHUNK:
+                    src = it.source
+                    assert src is not None and src.opener is not None
+                    if f_source is not src:
+                        if f is not None:
+                            f.close()
+                        f, f_source = _open_source(src), src
+                        if it.uoffset:
+                            f.seek(it.uoffset)
+                    data = _read_full(f, it.ulength, src.path)
+                    if len(data) != it.ulength:
+                        raise LayerInputError(
+                            f"file shrank while building ({it.uoffset + len(data)} of {src.size} bytes)", path=src.path
+                        )
+                    if it.last and f.read(1):
+                        raise LayerInputError(f"file grew while building (beyond {src.size} bytes)", path=src.path)
+                    out.append((comp.compress(data), hashlib.sha256(data).digest(), data if it.multi else None))
+                else:
+                    out.append((b"", b"", None))
+        finally:
+            if f is not None:
+                f.close()
+        return out
 
     def _drain_one(self) -> None:
-        fut, n, cb = self._pending.popleft()
-        self._pending_bytes -= n
-        frame, digest = fut.result()
-        start = self.offset
-        self.raw(frame)
-        if cb is not None:
-            cb(start, len(frame), digest)
+        fut, batch, cost = self._pending.popleft()
+        self._pending_bytes -= cost
+        results = fut if isinstance(fut, list) else fut.result()
+        for it, (frame, digest, data) in zip(batch, results):
+            if it.kind == _LANDMARK:
+                self.prefetch_end = self.offset
+                continue
+            start = self.offset
+            self.raw(frame)
+            if it.kind == _CHUNK:
+                e = it.entry
+                assert e is not None
+                e.chunks.append(Chunk(start, len(frame), it.uoffset, it.ulength, digest))
+                if not it.multi:
+                    e.digest = digest
+                    continue
+                if it.uoffset == 0:
+                    self._whole = hashlib.sha256()
+                assert self._whole is not None and data is not None
+                self._whole.update(data)
+                if it.last:
+                    e.digest = self._whole.digest()
 
     def flush(self) -> None:
+        self.submit()
         while self._pending:
             self._drain_one()
 
@@ -127,6 +185,14 @@ class _FrameWriter:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _open_source(src: SourceEntry) -> BinaryIO:
+    assert src.opener is not None
+    try:
+        return src.opener()
+    except OSError as err:
+        raise LayerInputError(f"cannot read file: {err.strerror}", path=src.path) from None
 
 
 def _sort_key(path: str) -> tuple[str, ...]:
@@ -163,25 +229,6 @@ def _order(entries: list[SourceEntry], prefetch: Sequence[str]) -> tuple[list[So
     return ordered, n_prefetch, missing
 
 
-def _tar_header(e: SourceEntry, toc_type: str, link: str, size: int) -> bytes:
-    name = "./" if e.path == "." else e.path
-    ti = tarfile.TarInfo(name)
-    ti.type = _TAR_TYPES[toc_type]
-    ti.mode = e.mode
-    ti.uid, ti.gid = e.uid, e.gid
-    ti.uname = ti.gname = ""  # numeric ids only: extraction must not remap through the host's passwd
-    ti.mtime = e.mtime
-    ti.size = size
-    ti.linkname = link
-    ti.devmajor, ti.devminor = e.devmajor, e.devminor
-    if e.xattrs:
-        ti.pax_headers = {f"SCHILY.xattr.{k}": v.decode("utf-8", "surrogateescape") for k, v in sorted(e.xattrs.items())}
-    try:
-        return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
-    except (ValueError, tarfile.HeaderError) as err:
-        raise LayerInputError(f"cannot write a tar header: {err}", path=e.path) from None
-
-
 def build_entries(
     entries: list[SourceEntry],
     out: Writer,
@@ -197,21 +244,19 @@ def build_entries(
         raise LayerInputError(f"chunk size {chunk_size} outside (0, {DEFAULT_LIMITS.max_chunk_bytes}]")
     ordered, n_prefetch, missing = _order(entries, prefetch)
     threads = threads or min(os.cpu_count() or 1, 8)
-    fw = _FrameWriter(out, level, threads, max_pending_bytes)
+    pipe = _Pipeline(out, level, threads, max_pending_bytes)
     toc_entries: list[Entry] = []
     holders: dict[object, str] = {}
     header = bytearray()
     tar_bytes = content_bytes = files = 0
-    prefetch_end = 0
     try:
         for idx, e in enumerate(ordered):
             if idx == n_prefetch and n_prefetch:
                 if header:
-                    fw.frame(bytes(header))
+                    pipe.add(_Item(_HEADER, bytes(header)))
                     tar_bytes += len(header)
                     header.clear()
-                fw.flush()
-                prefetch_end = fw.offset
+                pipe.add(_Item(_LANDMARK))
             toc_type, link, size = e.type, e.link, e.size
             if e.link_key is not None:
                 holder = holders.get(e.link_key)
@@ -222,102 +267,72 @@ def build_entries(
             entry = Entry(e.path, toc_type, e.mode, e.uid, e.gid, e.mtime, size=size, link=link,
                           devmajor=e.devmajor, devminor=e.devminor, xattrs=dict(e.xattrs))
             toc_entries.append(entry)
-            header += _tar_header(e, toc_type, link, size)
+            try:
+                header += tar_header("./" if e.path == "." else e.path, toc_type, e.mode, e.uid, e.gid, size,
+                                     e.mtime, link, e.devmajor, e.devminor, e.xattrs)
+            except (ValueError, tarfile.HeaderError) as err:
+                raise LayerInputError(f"cannot write a tar header: {err}", path=e.path) from None
             if toc_type != "file":
                 continue
             files += 1
             if size == 0:
-                entry.digest = _EMPTY_SHA256
+                entry.digest = EMPTY_SHA256
                 continue
-            fw.frame(bytes(header))
+            pipe.add(_Item(_HEADER, bytes(header)))
             tar_bytes += len(header)
             header.clear()
-            _emit_content(fw, e, entry, chunk_size)
+            multi = size > chunk_size
+            for uoff in range(0, size, chunk_size):
+                n = min(chunk_size, size - uoff)
+                pipe.add(_Item(_CHUNK, source=e, entry=entry, uoffset=uoff, ulength=n,
+                               last=uoff + n == size, multi=multi))
             content_bytes += size
             tar_bytes += size
-            pad = -size % 512
-            header += b"\0" * pad
-        header += b"\0" * 1024  # end-of-archive marker
+            header += b"\0" * (-size % 512)
         if n_prefetch == len(ordered) and n_prefetch:
-            fw.frame(bytes(header[:-1024]))  # keep the landmark before the end-of-archive frame
-            tar_bytes += len(header) - 1024
-            del header[:-1024]
-            fw.flush()
-            prefetch_end = fw.offset
-        fw.frame(bytes(header))
+            if header:
+                pipe.add(_Item(_HEADER, bytes(header)))
+                tar_bytes += len(header)
+                header.clear()
+            pipe.add(_Item(_LANDMARK))
+        header += b"\0" * 1024  # end-of-archive marker
+        pipe.add(_Item(_HEADER, bytes(header)))
         tar_bytes += len(header)
-        fw.flush()
-        toc = toc_from_entries(toc_entries, chunk_size, prefetch_end)
-        data_end = fw.offset
+        pipe.flush()
+        toc = toc_from_entries(toc_entries, chunk_size, pipe.prefetch_end)
+        data_end = pipe.offset
         try:
-            Columns(toc, data_end)
+            Columns(toc, data_end).parents()
         except LayerError as err:
             raise LayerInputError(f"input cannot form a valid layer: {err}", path=err.path) from None
         raw = encode_toc(toc)
         compressed = zstandard.ZstdCompressor(level=max(level, 9), write_content_size=True).compress(raw)
-        fw.raw(SKIPPABLE_HEADER.pack(SKIPPABLE_TOC_MAGIC, len(compressed)) + compressed)
+        pipe.raw(SKIPPABLE_HEADER.pack(SKIPPABLE_TOC_MAGIC, len(compressed)) + compressed)
         footer = Footer(FORMAT_VERSION, 0, data_end, len(compressed), len(raw), hashlib.sha256(compressed).digest())
-        fw.raw(footer.pack())
+        pipe.raw(footer.pack())
     finally:
-        fw.close()
+        pipe.close()
     return BuildResult(
-        digest=fw.digest, size=fw.offset, toc_digest=footer.toc_digest, entries=len(toc_entries), files=files,
-        content_bytes=content_bytes, tar_bytes=tar_bytes, prefetch_end=prefetch_end, prefetch_missing=missing,
+        digest=pipe.digest, size=pipe.offset, toc_digest=footer.toc_digest, entries=len(toc_entries), files=files,
+        content_bytes=content_bytes, tar_bytes=tar_bytes, prefetch_end=pipe.prefetch_end, prefetch_missing=missing,
     )
 
 
-def _emit_content(fw: _FrameWriter, e: SourceEntry, entry: Entry, chunk_size: int) -> None:
-    size = e.size
-    single = size <= chunk_size
-    whole = None if single else hashlib.sha256()
-    chunks: list[Chunk] = []
-
-    def on_written(uoffset: int, ulength: int) -> Callable[[int, int, bytes | None], None]:
-        def cb(offset: int, length: int, digest: bytes | None) -> None:
-            assert digest is not None
-            chunks.append(Chunk(offset, length, uoffset, ulength, digest))
-            if single:
-                entry.digest = digest
-        return cb
-
-    assert e.opener is not None
+def _read_full(f: BinaryIO, n: int, path: str) -> bytes:
     try:
-        f = e.opener()
+        data = f.read(n)
+        if len(data) == n or not data:
+            return data
+        parts = [data]
+        got = len(data)
+        while got < n:
+            more = f.read(n - got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
     except OSError as err:
-        raise LayerInputError(f"cannot read file: {err.strerror}", path=e.path) from None
-    with f:
-        pos = 0
-        while pos < size:
-            want = min(chunk_size, size - pos)
-            try:
-                data = _read_full(f, want)
-            except OSError as err:
-                raise LayerInputError(f"cannot read file: {err.strerror}", path=e.path) from None
-            if len(data) != want:
-                raise LayerInputError(f"file shrank while building ({pos + len(data)} of {size} bytes)", path=e.path)
-            if whole is not None:
-                whole.update(data)
-            fw.frame(data, on_written(pos, want), want_digest=True)
-            pos += want
-        if f.read(1):
-            raise LayerInputError(f"file grew while building (beyond {size} bytes)", path=e.path)
-    entry.chunks = chunks  # filled in order as frames are written
-    if whole is not None:
-        entry.digest = whole.digest()
-
-
-def _read_full(f: BinaryIO, n: int) -> bytes:
-    data = f.read(n)
-    if len(data) == n or not data:
-        return data
-    parts = [data]
-    got = len(data)
-    while got < n:
-        more = f.read(n - got)
-        if not more:
-            break
-        parts.append(more)
-        got += len(more)
+        raise LayerInputError(f"cannot read file: {err.strerror}", path=path) from None
     return b"".join(parts)
 
 

@@ -162,10 +162,19 @@ def _scan_one(abs_path: str, rel: str, st: os.stat_result, out: list[SourceEntry
 
 class _SpoolSlice(io.RawIOBase):
     def __init__(self, fd: int, offset: int, size: int):
-        self._fd, self._pos, self._end = fd, offset, offset + size
+        self._fd, self._start, self._pos, self._end = fd, offset, offset, offset + size
 
     def readable(self) -> bool:
         return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise io.UnsupportedOperation("only absolute seeks")
+        self._pos = min(self._start + pos, self._end)
+        return self._pos - self._start
 
     def read(self, n: int = -1) -> bytes:
         if n < 0:
