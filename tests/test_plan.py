@@ -1026,3 +1026,23 @@ def test_the_documented_example_is_valid_and_its_toml_and_json_agree():
     p = wp.load_plan(toml_text, source="docs/plan.md")
     assert wp.load_plan(json_text, source="docs/plan.md") == p
     assert len(p.groups) == 3 and p.mounts and p.init and p.ttl_s
+
+
+def test_every_msgspec_message_kind_is_translated():
+    """No msgspec wording (backquoted types, '$.' paths, regexes) reaches the user."""
+    for text, _ in ERRORS:
+        with pytest.raises(PlanValidationError) as info:
+            load(text)
+        for p in info.value.problems:
+            assert "`" not in p.message and "$." not in p.message and "^" not in p.message, p
+    long_ref = _group(0, 'ref = "debian:12"', f'ref = "{"a" * 600}:1"')
+    with pytest.raises(PlanValidationError, match=r"groups\[0\]\.ref: expected a string of at most 512 characters$"):
+        load(long_ref)
+
+
+def test_image_defaults_from_what_weenv_pull_keeps():
+    from weenv.registry import ImageConfig
+
+    kept = ImageConfig.from_oci(IMAGE_CONFIG["config"])
+    assert wp.plan_defaults_from_image(kept) == wp.plan_defaults_from_image(IMAGE_CONFIG)
+    assert wp.plan_defaults_from_image(ImageConfig.from_oci(None)) == {}

@@ -16,13 +16,14 @@ import tomllib
 from typing import Any, Literal, TypeVar, overload
 
 import msgspec
+import msgspec.inspect as mi
 import tomli_w
 
 from ._errors import PlanSyntaxError, PlanValidationError, Problem
 from ._model import LOCK_VERSION, Lock, Plan
 from ._units import SIZE_PATTERN, format_size, parse_size
 from ._validate import check_plan, shape_problem, translate_error
-from ._walk import is_size, map_sizes, struct_of, type_info, unwrap
+from ._walk import format_location, is_size, map_sizes, struct_of, type_info, unwrap
 
 Format = Literal["toml", "json"]
 P = TypeVar("P", bound=Plan)
@@ -101,8 +102,6 @@ def parse_document(text: str, fmt: Format | None = None, *, source: str = "<plan
 
 
 def _sizes_to_bytes(raw: Any, cls: type, problems: list[Problem]) -> Any:
-    from ._walk import format_location
-
     def convert(value: Any, path: list[Any]) -> Any:
         if isinstance(value, str):
             try:
@@ -277,8 +276,6 @@ def plan_json_schema(*, lock: bool = False) -> dict[str, Any]:
 
 def _members(t: Any) -> list[Any]:
     """Types nested in ``t`` that may hold structs (list items, dict values, union members)."""
-    import msgspec.inspect as mi
-
     base, _ = unwrap(t)
     if isinstance(base, mi.UnionType):
         return [x for m in base.types for x in _members(m)]

@@ -60,16 +60,21 @@ def apply_overrides(
     return decode_builtins(data, type(plan), source=OVERRIDES_SOURCE, fmt="json")
 
 
-def plan_defaults_from_image(config: Mapping[str, Any], *, command_as_init: bool = False) -> dict[str, Any]:
+def plan_defaults_from_image(config: Mapping[str, Any] | Any, *, command_as_init: bool = False) -> dict[str, Any]:
     """Plan defaults (``env``, ``workdir``, ``user``) from an OCI image config.
 
-    ``config`` is the image config document (its ``config`` object is used) or that object itself,
-    with the OCI keys ``Env`` (``["K=V", …]``), ``WorkingDir``, ``User``, ``Entrypoint``, ``Cmd``.
+    ``config`` is the image config document (its ``config`` object is used), that object itself,
+    or a ``weenv.registry.ImageConfig``; the OCI keys are ``Env`` (``["K=V", …]``),
+    ``WorkingDir``, ``User``, ``Entrypoint`` and ``Cmd``.
     Entrypoint + Cmd become ``init`` only with ``command_as_init=True``: an image's command is
     usually a shell or a server that exits or serves, while a weenv env wants a process that idles
     until it is told to run things. Empty values are left out. Raises
     :class:`PlanValidationError` (source ``image config``) for values a plan would refuse.
     """
+    if not isinstance(config, Mapping) and hasattr(config, "working_dir"):
+        # weenv.registry.ImageConfig (what `weenv pull` keeps): same fields, Python names.
+        config = {"Env": list(config.env), "WorkingDir": config.working_dir, "User": config.user,
+                  "Entrypoint": list(config.entrypoint), "Cmd": list(config.cmd)}
     inner = config.get("config", config) if isinstance(config, Mapping) else None
     if inner is None:
         inner = {}

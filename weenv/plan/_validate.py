@@ -152,20 +152,17 @@ def translate_error(err: msgspec.ValidationError, raw: Any, root_cls: type, fmt:
             if set(ordered) == set(values):
                 values = list(ordered)
         return Problem(format_location(segments), f"expected one of {', '.join(values)}, got {mm[1]}")
-    text = _rewrite(msg, shown, t, fmt)
-    if not segments and text.startswith("expected a table"):
-        text = text.replace("expected a table", "expected a table of plan fields", 1)
-    return Problem(format_location(segments), text)
+    return Problem(format_location(segments), _rewrite(msg, shown, t, fmt))
 
 
 def _pattern_of(t: mi.Type | None) -> str | None:
-    for member in ([] if t is None else [t]):
-        base, _ = unwrap(member)
-        if isinstance(base, mi.UnionType):
-            base = next((unwrap(m)[0] for m in base.types if isinstance(unwrap(m)[0], mi.StrType)), None)
-        if isinstance(base, mi.StrType):
-            return base.pattern
-    return None
+    """The regex of a string type (or of the string member of an optional string)."""
+    if t is None:
+        return None
+    base, _ = unwrap(t)
+    if isinstance(base, mi.UnionType):
+        base = next((unwrap(m)[0] for m in base.types if isinstance(unwrap(m)[0], mi.StrType)), None)
+    return base.pattern if isinstance(base, mi.StrType) else None
 
 
 def _rewrite(msg: str, value: Any, t: mi.Type | None, fmt: str, is_key: bool = False) -> str:
