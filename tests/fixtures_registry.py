@@ -306,6 +306,9 @@ class _ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # clients hang up mid-answer on purpose here (timeouts, injected resets)
+
     def __init__(self, upstream: str):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstream_host, port = upstream.rsplit(":", 1)
