@@ -2,6 +2,7 @@
 
 pytest_plugins = [
     "tests.fixtures_common",
+    "tests.fixtures_envlet",
     "tests.fixtures_cgroups",
     "tests.fixtures_registry",
 ]

@@ -17,3 +17,4 @@ def main() -> None:
 from . import _layer  # noqa: E402,F401
 from . import _plan  # noqa: E402,F401
 from . import _registry  # noqa: E402,F401
+from . import _envlet  # noqa: E402,F401

@@ -1,0 +1,3 @@
+from weenv.cli import main
+
+main()

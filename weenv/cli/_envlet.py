@@ -1,0 +1,112 @@
+"""``weenv envlet`` (the FUSE layer server) and ``weenv cache`` (its chunk caches)."""
+
+from __future__ import annotations
+
+import click
+
+from .. import _home
+from ._common import SIZE, human_bytes, print_json, stdout
+from . import main
+
+
+@main.group()
+def envlet() -> None:
+    """The lazy FUSE layer server (one per node; the daemon starts it)."""
+
+
+@envlet.command("serve")
+@click.option("--mountpoint", default=_home.envlet_mountpoint, show_default="$WEENV_HOME/envlet/mnt",
+              type=click.Path(file_okay=False))
+@click.option("--cache-dir", default=_home.envlet_cache_dir, show_default="$WEENV_HOME/envlet/cache",
+              type=click.Path(file_okay=False))
+@click.option("--cache-size", type=SIZE, default="10GiB", show_default=True, help="Bound of the node disk cache (L2).")
+@click.option("--memory-cache-size", type=SIZE, default="256MiB", show_default=True, help="Bound of the memory cache (L1).")
+@click.option("--control-socket", default=_home.envlet_socket, show_default="$WEENV_HOME/run/envlet.sock")
+@click.option("--state-file", default=None, help="Registrations to restore at start (default: in the cache dir).")
+@click.option("--deadline", "deadline_s", type=float, default=30.0, show_default=True,
+              help="Seconds before a read whose data cannot be fetched fails with EIO.")
+@click.option("--readahead", "readahead_bytes", type=SIZE, default="4MiB", show_default=True,
+              help="Read-ahead within a file on a cold read.")
+@click.option("--metrics-port", type=int, default=None, help="Serve prometheus metrics on this port.")
+@click.option("--debug", is_flag=True, help="Verbose logs, FUSE debug output.")
+def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_size: int, control_socket: str,
+              state_file: str | None, deadline_s: float, readahead_bytes: int, metrics_port: int | None,
+              debug: bool) -> None:
+    """Mount the envlet and serve until SIGTERM."""
+    from ..envlet import serve
+
+    serve(mountpoint, cache_dir, cache_size_bytes=cache_size, memory_cache_size_bytes=memory_cache_size,
+          control_socket=control_socket, state_file=state_file, deadline_s=deadline_s, metrics_port=metrics_port,
+          readahead_bytes=readahead_bytes, debug=debug)
+
+
+@envlet.command("ls")
+@click.option("--control-socket", default=_home.envlet_socket, show_default="$WEENV_HOME/run/envlet.sock")
+@click.option("--json", "as_json", is_flag=True)
+def ls_cmd(control_socket: str, as_json: bool) -> None:
+    """List the registered layers."""
+    import msgspec
+
+    from ..envlet import EnvletClient, EnvletError
+
+    try:
+        layers = EnvletClient(control_socket).list()
+    except EnvletError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        print_json(msgspec.to_builtins(layers))
+        return
+    for info in layers:
+        stdout.print(f"{info.name}  {info.digest}  refs={info.refcount}  {info.entries} entries  {human_bytes(info.size)}")
+
+
+@main.group()
+def cache() -> None:
+    """The node's chunk caches (memory L1, disk L2)."""
+
+
+@cache.command("stats")
+@click.option("--control-socket", default=_home.envlet_socket, show_default="$WEENV_HOME/run/envlet.sock")
+@click.option("--json", "as_json", is_flag=True)
+def stats_cmd(control_socket: str, as_json: bool) -> None:
+    """Hits, misses and bytes per tier, remote fetches, evictions, verification failures."""
+    from ..envlet import EnvletClient, EnvletError
+
+    try:
+        s = EnvletClient(control_socket).stats()
+    except EnvletError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        print_json(s)
+        return
+    stdout.print(f"L1 memory  {human_bytes(s['l1_size_bytes'])} of {human_bytes(s['l1_capacity_bytes'])}: "
+                 f"{s['l1_hits']} hits, {s['l1_misses']} misses, {s['l1_evictions']} evictions")
+    stdout.print(f"L2 disk    {human_bytes(s['l2_size_bytes'])} of {human_bytes(s['l2_capacity_bytes'])} "
+                 f"({s['l2_files']} chunks): {s['l2_hits']} hits, {s['l2_misses']} misses, "
+                 f"{s['l2_evictions']} evictions, {s['l2_corrupt']} corrupt")
+    lat = s["remote_latency"]
+    n = sum(lat["counts"])
+    mean_ms = 1000 * lat["sum_s"] / n if n else 0.0
+    stdout.print(f"L3 remote  {s['remote_fetches']} range reads, {human_bytes(s['remote_bytes'])} "
+                 f"({s['remote_chunks']} chunks, mean {mean_ms:.1f} ms), {s['remote_errors']} errors, "
+                 f"{s['coalesced_waits']} coalesced waits, {s['verify_failures']} verification failures")
+    stdout.print(f"reads      {s['fuse_reads']} FUSE reads, {human_bytes(s['fuse_read_bytes'])}, "
+                 f"{s['read_errors']} EIO; {s['layers']} layers registered")
+
+
+@cache.command("prune")
+@click.option("--to", "to_bytes", type=SIZE, default=0, help="Keep at most this much in the disk cache.")
+@click.option("--control-socket", default=_home.envlet_socket, show_default="$WEENV_HOME/run/envlet.sock")
+@click.option("--json", "as_json", is_flag=True)
+def prune_cmd(to_bytes: int, control_socket: str, as_json: bool) -> None:
+    """Evict least recently used chunks from the disk cache."""
+    from ..envlet import EnvletClient, EnvletError
+
+    try:
+        r = EnvletClient(control_socket).prune(to_bytes)
+    except EnvletError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        print_json(r)
+    else:
+        stdout.print(f"evicted {r['files']} chunks ({human_bytes(r['bytes'])}); {human_bytes(r['l2_size_bytes'])} left")

@@ -1,0 +1,93 @@
+"""Counters and a latency histogram, exposed through the control socket and prometheus_client."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator
+
+COUNTERS = (
+    ("l1_hits", "chunks served from the memory cache"),
+    ("l1_misses", "chunks not in the memory cache"),
+    ("l1_bytes", "bytes served from the memory cache"),
+    ("l1_evictions", "chunks evicted from the memory cache"),
+    ("l2_hits", "chunks read from the node disk cache"),
+    ("l2_misses", "chunks not in the node disk cache"),
+    ("l2_bytes_read", "bytes read from the node disk cache"),
+    ("l2_bytes_written", "bytes written to the node disk cache"),
+    ("l2_evictions", "chunk files evicted from the node disk cache"),
+    ("l2_corrupt", "node disk cache files that failed verification (discarded)"),
+    ("remote_fetches", "range requests to the store"),
+    ("remote_bytes", "bytes fetched from the store"),
+    ("remote_chunks", "chunks fetched from the store"),
+    ("remote_errors", "range requests that failed"),
+    ("readahead_chunks", "chunks fetched ahead of a read"),
+    ("prefetch_bytes", "bytes fetched by background prefetch"),
+    ("coalesced_waits", "reads that waited for another read's fetch of the same chunk"),
+    ("verify_failures", "chunks that failed sha256 or decompression checks"),
+    ("read_errors", "FUSE reads answered with EIO"),
+    ("fuse_reads", "FUSE read requests"),
+    ("fuse_read_bytes", "bytes returned to FUSE reads"),
+)
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """Thread-safe counters (worker threads and the trio loop both count)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counters: dict[str, int] = {name: 0 for name, _ in COUNTERS}
+        self.latency_buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.latency_sum_s = 0.0
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def observe_fetch(self, seconds: float) -> None:
+        with self._lock:
+            self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+            self.latency_sum_s += seconds
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                **self.counters,
+                "remote_latency": {
+                    "buckets_s": list(LATENCY_BUCKETS_S),
+                    "counts": list(self.latency_buckets),
+                    "sum_s": self.latency_sum_s,
+                },
+            }
+
+
+def start_prometheus(metrics: Metrics, port: int, gauges: "callable") -> None:  # type: ignore[valid-type]
+    """Serve the counters on http://0.0.0.0:PORT/metrics (prometheus text format)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    docs = dict(COUNTERS)
+
+    class Collector:
+        def collect(self) -> Iterator[object]:
+            snap = metrics.snapshot()
+            for name, _ in COUNTERS:
+                c = CounterMetricFamily(f"weenv_envlet_{name}", docs[name])
+                c.add_metric([], snap[name])
+                yield c
+            lat = snap["remote_latency"]
+            buckets, acc = [], 0
+            for le, n in zip(list(lat["buckets_s"]) + [float("inf")], lat["counts"]):
+                acc += n
+                buckets.append((str(le) if le != float("inf") else "+Inf", acc))
+            h = HistogramMetricFamily("weenv_envlet_remote_fetch_seconds", "store range request latency")
+            h.add_metric([], buckets, lat["sum_s"])
+            yield h
+            for name, value in gauges().items():
+                g = GaugeMetricFamily(f"weenv_envlet_{name}", name.replace("_", " "))
+                g.add_metric([], value)
+                yield g
+
+    REGISTRY.register(Collector())
+    start_http_server(port)

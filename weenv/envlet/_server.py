@@ -1,0 +1,473 @@
+"""The envlet process: one FUSE mount per node, layers registered at run time over a control socket.
+
+    weenv envlet serve --mountpoint DIR --cache-dir DIR --cache-size BYTES --memory-cache-size BYTES
+
+State (the registered layers, their slots and reference counts) is written to a state file after
+every change, so a restarted envlet clears the stale mount its predecessor left and brings the
+same layers back under the same names.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import pyfuse3
+import trio
+
+from .. import layerfmt
+from ..layerfmt import RandomAccessReader
+from ._cache import DiskCache, MemoryCache
+from ._control import (
+    MAX_MESSAGE_BYTES,
+    LayerInfo,
+    ListLayers,
+    Ping,
+    Prune,
+    Register,
+    Reply,
+    Stats,
+    StoreSpec,
+    Unregister,
+    _LEN,
+    encoder,
+    request_decoder,
+)
+from ._fetch import Fetcher, LayerSource
+from ._fs import EnvletFS
+from ._metrics import Metrics, start_prometheus
+from ._tree import LayerTree
+
+log = logging.getLogger("weenv.envlet")
+NAME_LEN = 12
+
+
+@dataclass
+class MountedLayer:
+    name: str
+    slot: int
+    spec: StoreSpec
+    repo: str
+    digest: str
+    size: int
+    toc_digest: str
+    layer: layerfmt.Layer
+    tree: LayerTree
+    source: LayerSource
+    refcount: int = 1
+    prefetched_bytes: int = 0
+
+    def info(self, mountpoint: str) -> LayerInfo:
+        return LayerInfo(self.name, os.path.join(mountpoint, self.name), self.digest, self.toc_digest, self.size,
+                         self.refcount, len(self.tree.cols), self.layer.prefetch_end)
+
+
+class _RecordingReader:
+    """Remembers what Layer.open read, so the tail can be cached without fetching it twice."""
+
+    def __init__(self, inner: RandomAccessReader):
+        self.inner = inner
+        self.reads: list[tuple[int, bytes]] = []
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        data = self.inner.read_at(offset, n)
+        self.reads.append((offset, data))
+        return data
+
+    def range(self, start: int, end: int) -> bytes | None:
+        for off, data in self.reads:
+            if off <= start and off + len(data) >= end:
+                return data[start - off : end - off]
+        return None
+
+
+class _TailCachedReader:
+    """Serves the cached tail of a blob from disk, everything else from the store."""
+
+    def __init__(self, inner: RandomAccessReader, tail: bytes):
+        self.inner, self.tail = inner, tail
+        self._tail_start = inner.size - len(tail)
+
+    @property
+    def size(self) -> int:
+        return self.inner.size
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        if offset >= self._tail_start:
+            return self.tail[offset - self._tail_start : offset - self._tail_start + n]
+        return self.inner.read_at(offset, n)
+
+
+class Envlet:
+    """Registrations, caches and the fetcher behind one FUSE mount."""
+
+    def __init__(self, mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
+                 control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
+                 readahead_bytes: int = 4 << 20, max_concurrent_fetches: int = 8):
+        self.mountpoint = os.path.abspath(mountpoint)
+        self.cache_dir = os.path.abspath(cache_dir)
+        self.control_socket = control_socket
+        self.state_file = state_file or os.path.join(self.cache_dir, "envlet-state.json")
+        self.readahead_bytes = readahead_bytes
+        self.metrics = Metrics()
+        self.l1 = MemoryCache(memory_cache_size_bytes, self.metrics)
+        self.l2 = DiskCache(os.path.join(self.cache_dir, "l2"), cache_size_bytes, self.metrics)
+        self.fetcher = Fetcher(self.l1, self.l2, self.metrics, deadline_s=deadline_s,
+                               max_concurrent_fetches=max_concurrent_fetches)
+        self.by_name: dict[str, MountedLayer] = {}
+        self.by_slot: dict[int, MountedLayer] = {}
+        self.next_slot = 1
+        self.started_s = time.time()
+        self._tails_dir = os.path.join(self.cache_dir, "tails")
+        os.makedirs(self._tails_dir, exist_ok=True)
+        self._stores: dict[tuple, Any] = {}
+        self._stores_lock = threading.Lock()
+        self._register_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+
+    # ------------------------------------------------------------------ stores
+
+    def _reader(self, spec: StoreSpec, repo: str, digest: str, size: int) -> RandomAccessReader:
+        if spec.kind == "file":
+            reader = layerfmt.FileReader.open(spec.path)
+            if reader.size != size:
+                reader.close()
+                raise ValueError(f"{spec.path} has {reader.size} bytes, the registration says {size}")
+            return reader
+        from ..registry import BlobReader, LayoutStore, RemoteStore
+
+        key = (spec.kind, spec.path, spec.registry, spec.insecure)
+        with self._stores_lock:
+            store = self._stores.get(key)
+            if store is None:
+                store = (LayoutStore(spec.path) if spec.kind == "layout"
+                         else RemoteStore(spec.registry, insecure=spec.insecure))
+                self._stores[key] = store
+        return BlobReader(store, repo, digest, size)
+
+    # ------------------------------------------------------------------ registration
+
+    def _open_layer(self, req: Register, name: str) -> tuple[layerfmt.Layer, RandomAccessReader]:
+        inner = self._reader(req.store, req.repo, req.digest, req.size)
+        tail_path = os.path.join(self._tails_dir, req.digest.replace(":", "-"))
+        try:
+            with open(tail_path, "rb") as f:
+                tail = f.read()
+        except FileNotFoundError:
+            tail = b""
+        if tail:
+            try:
+                layer = layerfmt.Layer.open(_TailCachedReader(inner, tail), expected_toc_digest=req.toc_digest,
+                                            tail_read=len(tail))
+                return layerfmt.Layer(inner, layer.footer, layer.columns), inner
+            except layerfmt.LayerError as e:
+                log.warning("layer %s: cached tail unusable (%s); reading it again", name, e)
+        rec = _RecordingReader(inner)
+        layer = layerfmt.Layer.open(rec, expected_toc_digest=req.toc_digest)
+        tail = rec.range(layer.footer.toc_offset, req.size)
+        if tail is not None:
+            tmp = f"{tail_path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(tail)
+            os.replace(tmp, tail_path)
+        return layerfmt.Layer(inner, layer.footer, layer.columns), inner
+
+    async def register(self, req: Register, *, slot: int | None = None, refcount: int = 1) -> MountedLayer:
+        if not req.digest.startswith("sha256:") or len(req.digest) != 71:
+            raise ValueError(f"layer digest {req.digest!r} is not sha256:<64 hex>")
+        name = req.digest[7 : 7 + NAME_LEN]
+        async with self._register_lock:
+            existing = self.by_name.get(name)
+            if existing is not None:
+                if existing.digest != req.digest:
+                    raise ValueError(f"layer name {name} is taken by {existing.digest}")
+                if existing.toc_digest != req.toc_digest:
+                    raise ValueError(f"layer {req.digest} is registered with TOC {existing.toc_digest}, not {req.toc_digest}")
+                existing.refcount += refcount
+                self._save_state()
+                return existing
+
+            def build() -> tuple[layerfmt.Layer, RandomAccessReader, LayerTree]:
+                layer, inner = self._open_layer(req, name)
+                return layer, inner, LayerTree(layer.columns)
+
+            layer, inner, tree = await trio.to_thread.run_sync(build)
+            if slot is None:
+                slot = self.next_slot
+            self.next_slot = max(self.next_slot, slot + 1)
+            mounted = MountedLayer(name, slot, req.store, req.repo, req.digest, req.size, req.toc_digest, layer, tree,
+                                   LayerSource(name, inner), refcount)
+            self.by_name[name] = mounted
+            self.by_slot[slot] = mounted
+            self._save_state()
+        log.info("registered layer %s (%s, %d entries)", name, req.digest, len(tree.cols))
+        if req.prefetch and layer.prefetch_end and self._nursery is not None:
+            self._nursery.start_soon(self._prefetch, mounted)
+        return mounted
+
+    async def _prefetch(self, m: MountedLayer) -> None:
+        cols = m.tree.cols
+        end = m.layer.prefetch_end
+        chunks = []
+        k = 0
+        offsets = cols.chunk_offsets
+        while k < len(offsets) and offsets[k] + cols.chunk_lengths[k] <= end:
+            chunks.append(cols.chunk(k, 0))
+            k += 1
+        m.prefetched_bytes = await self.fetcher.prefetch(m.source, chunks)
+        log.info("layer %s: prefetched %d bytes", m.name, m.prefetched_bytes)
+
+    async def unregister(self, name: str) -> None:
+        async with self._register_lock:
+            m = self.by_name.get(name)
+            if m is None:
+                raise KeyError(name)
+            m.refcount -= 1
+            if m.refcount <= 0:
+                del self.by_name[name]
+                del self.by_slot[m.slot]
+                try:
+                    pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
+                except Exception:  # not mounted (tests of the model alone)
+                    pass
+                log.info("unregistered layer %s", name)
+            self._save_state()
+
+    # ------------------------------------------------------------------ state
+
+    def _save_state(self) -> None:
+        data = {
+            "next_slot": self.next_slot,
+            "layers": [
+                {"name": m.name, "slot": m.slot, "refcount": m.refcount, "store": msgspec.to_builtins(m.spec),
+                 "repo": m.repo, "digest": m.digest, "size": m.size, "toc_digest": m.toc_digest}
+                for m in self.by_name.values()
+            ],
+        }
+        tmp = f"{self.state_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.state_file)
+
+    async def restore_state(self) -> None:
+        try:
+            with open(self.state_file) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return
+        except ValueError as e:
+            log.error("state file %s is unreadable (%s); starting empty", self.state_file, e)
+            return
+        self.next_slot = max(self.next_slot, int(data.get("next_slot", 1)))
+        for rec in data.get("layers", []):
+            req = Register(msgspec.convert(rec["store"], StoreSpec), rec["digest"], rec["size"], rec["toc_digest"],
+                           rec.get("repo", ""), prefetch=False)
+            try:
+                await self.register(req, slot=rec["slot"], refcount=rec["refcount"])
+            except Exception as e:  # one broken layer must not keep the others away
+                log.error("could not restore layer %s: %s", rec.get("name"), e)
+        # a restart must not reuse the slots of the previous mount's inodes
+        self.next_slot += 1
+
+    # ------------------------------------------------------------------ control socket
+
+    def stats(self) -> dict:
+        return {
+            **self.metrics.snapshot(),
+            "l1_size_bytes": self.l1.size_bytes, "l1_capacity_bytes": self.l1.capacity_bytes,
+            "l2_size_bytes": self.l2.size_bytes, "l2_capacity_bytes": self.l2.capacity_bytes,
+            "l2_files": self.l2.files, "layers": len(self.by_name),
+            "inflight_chunks": len(self.fetcher._inflight),
+        }
+
+    async def handle(self, req: Any) -> Reply:
+        try:
+            if isinstance(req, Ping):
+                return Reply(True, {"pid": os.getpid(), "mountpoint": self.mountpoint})
+            if isinstance(req, Register):
+                m = await self.register(req)
+                return Reply(True, msgspec.to_builtins(m.info(self.mountpoint)))
+            if isinstance(req, Unregister):
+                await self.unregister(req.name)
+                return Reply(True)
+            if isinstance(req, ListLayers):
+                return Reply(True, [msgspec.to_builtins(m.info(self.mountpoint)) for m in self.by_name.values()])
+            if isinstance(req, Stats):
+                return Reply(True, self.stats())
+            if isinstance(req, Prune):
+                files, freed = await trio.to_thread.run_sync(self.l2.prune, req.to_bytes)
+                self.l1.clear()
+                return Reply(True, {"files": files, "bytes": freed, "l2_size_bytes": self.l2.size_bytes})
+            return Reply(False, error=f"unknown request {type(req).__name__}", error_kind="bad_request")
+        except KeyError as e:
+            return Reply(False, error=f"no registered layer named {e.args[0]!r}", error_kind="not_found")
+        except Exception as e:
+            log.warning("control request %s failed: %s", type(req).__name__, e)
+            return Reply(False, error=f"{type(req).__name__.lower()} failed: {e}", error_kind="failed")
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                while True:
+                    head = await _receive_exact(stream, 4)
+                    if head is None:
+                        return
+                    (n,) = _LEN.unpack(head)
+                    if n > MAX_MESSAGE_BYTES:
+                        return
+                    body = await _receive_exact(stream, n)
+                    if body is None:
+                        return
+                    try:
+                        req = request_decoder.decode(body)
+                    except msgspec.DecodeError as e:
+                        reply = Reply(False, error=f"bad request: {e}", error_kind="bad_request")
+                    else:
+                        reply = await self.handle(req)
+                    data = encoder.encode(reply)
+                    await stream.send_all(_LEN.pack(len(data)) + data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+
+    async def serve_control(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        path = self.control_socket
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)
+        try:
+            await sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        listener = trio.SocketListener(sock)
+        task_status.started()
+        await trio.serve_listeners(self._serve_connection, [listener])
+
+    # ------------------------------------------------------------------ main
+
+    async def main(self, metrics_port: int | None = None) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.fetcher.attach(nursery)
+            nursery.start_soon(_terminate_on_signal)
+            await self.restore_state()
+            raise_read_ahead(self.mountpoint)
+            if metrics_port:
+                start_prometheus(self.metrics, metrics_port, lambda: {
+                    "l1_size_bytes": self.l1.size_bytes, "l2_size_bytes": self.l2.size_bytes,
+                    "layers": len(self.by_name)})
+            await nursery.start(self.serve_control)
+            log.info("envlet serving %s (control %s)", self.mountpoint, self.control_socket)
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
+
+
+async def _receive_exact(stream: trio.SocketStream, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = await stream.receive_some(n - len(buf))
+        if not part:
+            return None
+        buf += part
+    return bytes(buf)
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            log.info("signal received: unmounting")
+            pyfuse3.terminate()
+            return
+
+
+def _mount_of(path: str) -> tuple[str, str] | None:
+    """(major:minor, fstype) of the mount at exactly ``path``, from /proc/self/mountinfo."""
+    path = os.path.abspath(path)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        parts = line.split()
+        mnt = parts[4].replace("\\040", " ")
+        if mnt == path:
+            sep = parts.index("-")
+            found = (parts[2], parts[sep + 1])
+    return found
+
+
+def clear_stale_mount(mountpoint: str) -> bool:
+    """Lazily unmount a FUSE mount a killed envlet left at ``mountpoint``; True when one was cleared."""
+    m = _mount_of(mountpoint)
+    stale = m is not None and m[1].startswith("fuse")
+    if not stale:
+        try:
+            os.stat(mountpoint)
+        except OSError as e:
+            stale = e.errno == errno.ENOTCONN
+    if not stale:
+        return False
+    r = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True, text=True)
+    if r.returncode != 0 and _mount_of(mountpoint) is not None:
+        subprocess.run(["umount", "-l", mountpoint], capture_output=True)
+    log.info("cleared a stale mount at %s", mountpoint)
+    return True
+
+
+def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
+    """Raise the FUSE mount's bdi read_ahead_kb (the default 128 KiB triples cold read time)."""
+    m = _mount_of(mountpoint)
+    if m is None:
+        return
+    try:
+        with open(f"/sys/class/bdi/{m[0]}/read_ahead_kb", "w") as f:
+            f.write(str(kb))
+    except OSError as e:
+        log.warning("could not raise read_ahead_kb for %s: %s", mountpoint, e)
+
+
+def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
+          control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
+          metrics_port: int | None = None, readahead_bytes: int = 4 << 20, debug: bool = False) -> None:
+    """Mount and serve until SIGTERM/SIGINT; always unmounts."""
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                        format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
+    os.makedirs(mountpoint, exist_ok=True)
+    os.makedirs(cache_dir, exist_ok=True)
+    clear_stale_mount(mountpoint)
+    envlet = Envlet(mountpoint, cache_dir, cache_size_bytes=cache_size_bytes,
+                    memory_cache_size_bytes=memory_cache_size_bytes, control_socket=control_socket,
+                    state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes)
+    options = set(pyfuse3.default_options)
+    options |= {"fsname=weenv-envlet", "subtype=weenv", "allow_other", "ro"}
+    if debug:
+        options.add("debug")
+    pyfuse3.init(EnvletFS(envlet), mountpoint, options)
+    try:
+        trio.run(envlet.main, metrics_port)
+    finally:
+        pyfuse3.close(unmount=True)
+        try:
+            os.unlink(control_socket)
+        except OSError:
+            pass
