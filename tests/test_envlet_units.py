@@ -1,0 +1,286 @@
+"""Envlet logic without FUSE: the presented tree, the disk cache, the fetcher's rules (fake readers)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import stat
+import threading
+
+import pytest
+import trio
+
+from weenv import layerfmt
+from weenv.envlet import DiskCache, FetchError, Fetcher, LayerSource, LayerTree, MemoryCache, Metrics
+from weenv.layerfmt import BytesReader, Layer
+
+from .layertrees import d, f, hard, make_tar, sym
+
+
+def layer_of(*nodes, **kw) -> Layer:
+    out = io.BytesIO()
+    layerfmt.build_layer(io.BytesIO(make_tar(*nodes)), out, **kw)
+    return Layer.open(BytesReader(out.getvalue()))
+
+
+# ------------------------------------------------------------------------------------- tree
+
+
+def test_tree_presents_whiteouts_opaque_dirs_hardlinks_and_implicit_dirs():
+    lay = layer_of(d("etc"), f("etc/passwd", b"x"), f("etc/.wh.group"), d("var/cache"), f("var/cache/.wh..wh..opq"),
+                   f("deep/implicit/file", b"i"), hard("etc/passwd-hl", "etc/passwd"), sym("link", "etc/passwd"),
+                   f(".wh.top"), f("etc/.wh.passwd"))
+    t = LayerTree(lay.columns)
+    etc = t.lookup(1, b"etc")
+    assert etc is not None and t.is_dir(etc)
+    group = t.lookup(etc, b"group")
+    a = t.attr(group)
+    assert stat.S_ISCHR(a.mode) and a.rdev == 0 and stat.S_IMODE(a.mode) == 0
+    assert t.lookup(etc, b".wh.group") is None
+    passwd = t.lookup(etc, b"passwd")
+    assert stat.S_ISREG(t.attr(passwd).mode)  # a real entry beats a whiteout of the same name
+    assert t.lookup(etc, b"passwd-hl") == passwd and t.attr(passwd).nlink == 2
+    cache = t.lookup(t.lookup(1, b"var"), b"cache")
+    assert t.xattrs(cache) == {"trusted.overlay.opaque": b"y"} and t.listing(cache) == []
+    implicit = t.lookup(1, b"deep")
+    assert t.entry_index(implicit) == -1 and t.attr(implicit).mode == stat.S_IFDIR | 0o755
+    assert t.lookup(t.lookup(implicit, b"implicit"), b"file") is not None
+    assert t.readlink(t.lookup(1, b"link")) == b"etc/passwd"
+    assert stat.S_ISCHR(t.attr(t.lookup(1, b"top")).mode)
+    names = [n for n, _ in t.listing(1)]
+    assert names == sorted(names) and b"top" in names and b".wh.top" not in names
+    assert t.attr(1).nlink == 2 + 3  # etc, var, deep
+
+
+def test_tree_of_a_layer_with_a_root_entry_uses_its_metadata():
+    out = io.BytesIO()
+    layerfmt.build_entries([layerfmt.SourceEntry(".", "dir", mode=0o700, uid=5, gid=6, mtime=77)], out)
+    t = LayerTree(Layer.open(BytesReader(out.getvalue())).columns)
+    a = t.attr(1)
+    assert (a.mode, a.uid, a.gid, a.mtime) == (stat.S_IFDIR | 0o700, 5, 6, 77)
+
+
+# ------------------------------------------------------------------------------------- disk cache
+
+
+def test_disk_cache_bound_eviction_restart_and_corruption(tmp_path):
+    m = Metrics()
+    c = DiskCache(str(tmp_path / "l2"), 10_000, m)
+    items = [os.urandom(3000) for _ in range(6)]
+    keys = [hashlib.sha256(x).digest() for x in items]
+    for k, x in zip(keys, items):
+        c.put(k, x)
+        assert c.size_bytes <= 10_000
+    assert c.get(keys[-1], 3000) == items[-1]
+    assert c.get(keys[0], 3000) is None  # evicted first
+    assert m.counters["l2_evictions"] >= 3
+    # a restart rebuilds the index from disk
+    c2 = DiskCache(str(tmp_path / "l2"), 10_000, Metrics())
+    assert c2.size_bytes == c.size_bytes and c2.get(keys[-1], 3000) == items[-1]
+    # a torn file is detected, discarded and reported as a miss
+    path = c2._path(keys[-1])
+    with open(path, "r+b") as fh:
+        fh.truncate(100)
+    assert c2.get(keys[-1], 3000) is None and not os.path.exists(path) and keys[-1] not in c2
+    # leftovers of interrupted writes are swept at start
+    (tmp_path / "l2" / "tmp" / "junk").write_bytes(b"x")
+    DiskCache(str(tmp_path / "l2"), 10_000, Metrics())
+    assert os.listdir(tmp_path / "l2" / "tmp") == []
+    files, freed = c2.prune(0)
+    assert c2.size_bytes == 0 and files >= 1 and freed >= 3000
+
+
+def test_disk_cache_concurrent_writers_of_the_same_chunk(tmp_path):
+    c = DiskCache(str(tmp_path / "l2"), 1 << 20, Metrics())
+    data = os.urandom(50_000)
+    key = hashlib.sha256(data).digest()
+    threads = [threading.Thread(target=c.put, args=(key, data)) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.get(key, len(data)) == data and c.size_bytes == len(data) and c.files == 1
+
+
+def test_memory_cache_is_an_lru_bounded_in_bytes():
+    m = Metrics()
+    c = MemoryCache(1000, m)
+    c.put(b"a", b"x" * 400)
+    c.put(b"b", b"x" * 400)
+    assert c.get(b"a") is not None  # a is now the most recent
+    c.put(b"c", b"x" * 400)
+    assert c.get(b"b") is None and c.get(b"a") is not None and c.size_bytes == 800
+    c.put(b"huge", b"x" * 2000)
+    assert c.get(b"huge") is None
+
+
+# ------------------------------------------------------------------------------------- fetcher
+
+
+class FakeStoreReader:
+    """A blob in memory that counts range reads and can be slowed, failed or blocked."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.reads: list[tuple[int, int]] = []
+        self.delay_s = 0.0
+        self.fail: Exception | None = None
+        self.block = threading.Event()
+        self.block.set()
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def read_at(self, offset: int, n: int) -> bytes:
+        self.reads.append((offset, n))
+        self.block.wait(30)
+        if self.delay_s:
+            import time
+
+            time.sleep(self.delay_s)
+        if self.fail is not None:
+            raise self.fail
+        return self.data[offset : offset + n]
+
+
+def fetcher_setup(tmp_path, blob: bytes, **kw):
+    m = Metrics()
+    fetcher = Fetcher(MemoryCache(64 << 20, m), DiskCache(str(tmp_path / "l2"), 64 << 20, m), m, **kw)
+    reader = FakeStoreReader(blob)
+    return fetcher, reader, LayerSource("test", reader), m
+
+
+def built(*nodes, **kw) -> tuple[bytes, Layer]:
+    out = io.BytesIO()
+    layerfmt.build_layer(io.BytesIO(make_tar(*nodes)), out, **kw)
+    return out.getvalue(), Layer.open(BytesReader(out.getvalue()))
+
+
+def test_concurrent_gets_of_one_chunk_share_one_fetch(tmp_path):
+    blob, lay = built(f("a", os.urandom(100_000)))
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob)
+    chunk = lay.entry("a").chunks[0]
+    reader.delay_s = 0.2
+
+    async def main():
+        out = []
+
+        async def one():
+            out.append(await fetcher.get(src, [chunk], "a"))
+
+        async with trio.open_nursery() as n:
+            for _ in range(64):
+                n.start_soon(one)
+        return out
+
+    out = trio.run(main)
+    assert len(out) == 64 and all(x == [lay.read("a")] for x in out)
+    assert len(reader.reads) == 1 and m.counters["coalesced_waits"] == 63
+
+
+def test_adjacent_missing_chunks_and_readahead_go_out_as_one_range(tmp_path):
+    data = os.urandom(1_000_000)
+    blob, lay = built(f("big", data), chunk_size=100_000)
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob)
+    chunks = lay.entry("big").chunks
+
+    async def main():
+        got = await fetcher.get(src, chunks[2:4], "big", readahead=chunks[4:7])
+        assert b"".join(got) == data[200_000:400_000]
+        assert len(reader.reads) == 1
+        assert reader.reads[0] == (chunks[2].offset, chunks[6].offset + chunks[6].length - chunks[2].offset)
+        assert m.counters["readahead_chunks"] == 3
+        again = await fetcher.get(src, chunks[4:7], "big")  # read-ahead landed in L1
+        assert b"".join(again) == data[400_000:700_000] and len(reader.reads) == 1
+
+    trio.run(main)
+
+
+def test_l2_serves_after_l1_is_dropped_and_remote_is_not_asked(tmp_path):
+    blob, lay = built(f("a", os.urandom(50_000)))
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob)
+    chunk = lay.entry("a").chunks[0]
+
+    async def main():
+        await fetcher.get(src, [chunk], "a")
+        fetcher.l1.clear()
+        got = await fetcher.get(src, [chunk], "a")
+        assert got == [lay.read("a")] and len(reader.reads) == 1 and m.counters["l2_hits"] == 1
+
+    trio.run(main)
+
+
+def test_a_hanging_store_fails_within_the_deadline_and_the_next_read_retries(tmp_path):
+    blob, lay = built(f("a", os.urandom(50_000)))
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob, deadline_s=0.5)
+    chunk = lay.entry("a").chunks[0]
+    reader.block.clear()
+
+    async def main():
+        with pytest.raises(FetchError, match="deadline"):
+            await fetcher.get(src, [chunk], "a")
+        assert not fetcher._inflight  # nothing stuck
+        reader.block.set()
+        assert await fetcher.get(src, [chunk], "a") == [lay.read("a")]
+
+    trio.run(main)
+
+
+def test_store_errors_and_corrupt_bytes_fail_the_read_and_are_not_cached(tmp_path):
+    blob, lay = built(f("a", os.urandom(50_000)), f("b", os.urandom(50_000)))
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob)
+    ca, cb = lay.entry("a").chunks[0], lay.entry("b").chunks[0]
+
+    async def main():
+        reader.fail = ConnectionResetError("reset by peer")
+        with pytest.raises(FetchError, match="reset by peer"):
+            await fetcher.get(src, [ca], "a")
+        reader.fail = None
+        assert await fetcher.get(src, [ca], "a") == [lay.read("a")]
+        bad = bytearray(blob)
+        bad[cb.offset + 10] ^= 0xFF
+        reader.data = bytes(bad)
+        from weenv.envlet import ChunkIntegrityError
+
+        with pytest.raises(ChunkIntegrityError):
+            await fetcher.get(src, [cb], "b")
+        assert cb.digest not in fetcher.l1 and cb.digest not in fetcher.l2
+        assert m.counters["verify_failures"] == 1 and m.counters["remote_errors"] == 1
+
+    trio.run(main)
+
+
+def test_prefetch_yields_to_foreground_reads(tmp_path):
+    blob, lay = built(*[f(f"p{i}", os.urandom(40_000)) for i in range(10)], f("fg", os.urandom(40_000)))
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob)
+    pre = [lay.entry(f"p{i}").chunks[0] for i in range(10)]
+    fg = lay.entry("fg").chunks[0]
+    order = []
+
+    async def main():
+        async with trio.open_nursery() as n:
+            fetcher.attach(n)
+            reader.delay_s = 0.05
+
+            async def foreground():
+                order.append("fg-start")
+                await fetcher.get(src, [fg], "fg")
+                order.append("fg-done")
+
+            async def background():
+                await trio.sleep(0.01)  # starts while the foreground read is in flight
+                order.append("prefetch-start")
+                await fetcher.prefetch(src, pre, batch_bytes=1)
+                order.append("prefetch-done")
+
+            n.start_soon(foreground)
+            n.start_soon(background)
+        assert order.index("fg-done") < order.index("prefetch-done")
+        first_prefetch_read = min(i for i, (off, _) in enumerate(reader.reads) if off != fg.offset)
+        fg_read = next(i for i, (off, _) in enumerate(reader.reads) if off == fg.offset)
+        assert fg_read < first_prefetch_read
+        assert m.counters["prefetch_bytes"] > 0 and all(c.digest in fetcher.l2 for c in pre)
+
+    trio.run(main)
