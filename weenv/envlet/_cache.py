@@ -122,8 +122,13 @@ class DiskCache:
             self._index.move_to_end(digest)
         path = self._path(digest)
         try:
-            with open(path, "rb", buffering=0) as f:
-                data = f.read(ulength + 1)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, ulength)
+                if len(data) == ulength and os.read(fd, 1):
+                    data = b""  # longer than the chunk: corrupt
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             self._forget(digest)
             self._metrics.inc("l2_misses")

@@ -135,6 +135,8 @@ class Fetcher:
             self._foreground -= 1
             if self._foreground == 0:
                 self._foreground_idle.set()
+        if readahead:
+            self._readahead_async(src, readahead, path)
         return results  # type: ignore[return-value]
 
     def _claimable(self, c: Chunk) -> bool:
@@ -277,14 +279,34 @@ class Fetcher:
     # ----------------------------------------------------------------- background
 
     def _readahead_async(self, src: LayerSource, chunks: Sequence[Chunk], path: str) -> None:
+        """Start loading the chunks after a read: from L2 into L1, or from the store, without waiting."""
         if self._nursery is None:
             return
-        todo = [c for c in chunks if self._claimable(c)]
-        if not todo:
-            return
-        for c in todo:
+        local, remote = [], []
+        for c in chunks:
+            if c.digest in self._inflight or c.digest in self.l1:
+                continue
+            (local if c.digest in self.l2 else remote).append(c)
             self._inflight[c.digest] = _InFlight()
-        self._nursery.start_soon(self._background_load, src, todo, path)
+        if local:
+            self._nursery.start_soon(self._background_l2, local)
+        if remote:
+            self._nursery.start_soon(self._background_load, src, remote, path)
+
+    async def _background_l2(self, chunks: list[Chunk]) -> None:
+        """Load chunks from L2 into L1 in parallel: separate chunk files read one by one are latency-bound."""
+
+        async def one(c: Chunk) -> None:
+            try:
+                data = await trio.to_thread.run_sync(self.l2.get, c.digest, c.ulength)
+                if data is not None:
+                    self._resolve(c.digest, data)
+            finally:
+                self._release(c.digest)
+
+        async with trio.open_nursery() as n:
+            for c in chunks:
+                n.start_soon(one, c)
 
     async def _background_load(self, src: LayerSource, chunks: list[Chunk], path: str) -> None:
         try:

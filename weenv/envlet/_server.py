@@ -363,13 +363,22 @@ class Envlet:
 
     # ------------------------------------------------------------------ main
 
+    async def _tune_bdi(self) -> None:
+        # The FUSE INIT reply caps the bdi's readahead (at 128 KiB); raise it once INIT is done, which a
+        # stat of our own mount (answered by this loop) guarantees.
+        try:
+            await trio.to_thread.run_sync(os.stat, self.mountpoint)
+        except OSError as e:
+            log.warning("could not stat %s: %s", self.mountpoint, e)
+        raise_read_ahead(self.mountpoint)
+
     async def main(self, metrics_port: int | None = None) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.fetcher.attach(nursery)
             nursery.start_soon(_terminate_on_signal)
             await self.restore_state()
-            raise_read_ahead(self.mountpoint)
+            nursery.start_soon(self._tune_bdi)
             if metrics_port:
                 start_prometheus(self.metrics, metrics_port, lambda: {
                     "l1_size_bytes": self.l1.size_bytes, "l2_size_bytes": self.l2.size_bytes,
@@ -392,10 +401,12 @@ async def _receive_exact(stream: trio.SocketStream, n: int) -> bytes | None:
 
 async def _terminate_on_signal() -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for _ in signals:
-            log.info("signal received: unmounting")
-            pyfuse3.terminate()
-            return
+        first = True
+        async for _ in signals:  # keep receiving: a second signal must not kill us mid-unmount
+            if first:
+                log.info("signal received: unmounting")
+                pyfuse3.terminate()
+                first = False
 
 
 def _mount_of(path: str) -> tuple[str, str] | None:
@@ -466,6 +477,8 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     try:
         trio.run(envlet.main, metrics_port)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # late signals must not interrupt the unmount
+            signal.signal(sig, signal.SIG_IGN)
         pyfuse3.close(unmount=True)
         try:
             os.unlink(control_socket)
