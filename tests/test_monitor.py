@@ -21,7 +21,7 @@ GIB = 1 << 30
 HUNGRY = EnvLimits(cpu_min_cores=0.25, cpu_max_cores=2.0, memory_min_bytes=64 * MIB, memory_max_bytes=1 * GIB)
 
 
-def run(scenario, *, cfg: PolicyConfig = PolicyConfig(), cpu_cores: float = 4, offload: bool = False,
+def run(scenario, *, cfg: PolicyConfig = PolicyConfig(), cpu_cores: float = 4, offload: str = "none",
         memory_total_bytes: int = 16 * GIB):  # fmt: skip
     """Run ``scenario(monitor, backend)`` next to a running monitor on a fake clock."""
     clock = MockClock(autojump_threshold=0)
@@ -254,7 +254,7 @@ def test_worker_thread_mode_reaches_the_same_result():
             await trio.sleep(0.2)
         assert cpu_history(g) == [0.25, 0.5, 1.0, 2.0]
 
-    run(scenario, offload=True)
+    run(scenario, offload="all")
 
 
 # -- the real thing: this host's cgroup v1 -----------------------------------------------------------

@@ -55,7 +55,10 @@ class MonitorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Env:
-    __slots__ = ("env_id", "cgroup", "limits", "state", "last", "metrics", "last_change", "decision", "error")
+    __slots__ = (
+        "env_id", "cgroup", "limits", "state", "last", "metrics", "last_change", "decision", "error", "key",
+        "settled",
+    )  # fmt: skip
 
     def __init__(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, state: EnvQuotaState):
         self.env_id = env_id
@@ -67,14 +70,27 @@ class _Env:
         self.last_change: dict[str, Any] | None = None
         self.decision: Decision | None = None
         self.error: str | None = None
+        #: The counters decide() depends on, from the last sample.
+        self.key: tuple | None = None
+        #: The last decision saw unchanged counters, changed and refused nothing and left no hold
+        #: timer running. decide() is deterministic in (state, counter deltas, levels) and only
+        #: reads the clock through timers and the node when a signal asks for more, so the same
+        #: unchanged counters next tick give the same decision: skip it. Idle envs sitting at
+        #: their mins, the common case, cost the monitor a sample and a tuple compare.
+        self.settled = False
 
 
 class Monitor:
     """Resizes the cgroups of registered envs every ``interval_ms``.
 
     ``node_memory`` returns ``(total_bytes, available_bytes)`` (a backend's ``node_memory``);
-    ``cpu_cores`` defaults to the CPUs this process may run on. ``offload=False`` samples and
-    applies inline instead of in a worker thread (deterministic tests under an autojumping clock).
+    ``cpu_cores`` defaults to the CPUs this process may run on. ``offload`` says what runs in a
+    worker thread: ``"all"`` (sampling and applying), ``"apply"`` (only the writes, which can
+    block while the kernel reclaims; counter reads cannot, and the thread hand-off costs about
+    as much CPU as sampling 50 idle groups on this VM, see benchmarks/monitor_overhead.py) or
+    ``"none"`` (deterministic tests under an autojumping clock).
+    ``idle_memory_refresh_s``: how stale the memory usage of a group that has not run may get
+    (see :meth:`Cgroup.sample`); 0 reads it every tick.
     """
 
     def __init__(
@@ -84,7 +100,8 @@ class Monitor:
         interval_ms: int = 200,
         cfg: PolicyConfig = DEFAULT_POLICY,
         cpu_cores: float | None = None,
-        offload: bool = True,
+        offload: str = "all",
+        idle_memory_refresh_s: float = 1.0,
     ):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be > 0, got {interval_ms}")
@@ -92,12 +109,16 @@ class Monitor:
         self.cfg = cfg
         self.cpu_cores = float(cpu_cores if cpu_cores is not None else len(os.sched_getaffinity(0)))
         self._node_memory = node_memory
+        if offload not in ("all", "apply", "none"):
+            raise ValueError(f"offload must be 'all', 'apply' or 'none', got {offload!r}")
         self._offload = offload
+        self.idle_memory_refresh_s = idle_memory_refresh_s
         self._envs: dict[str, _Env] = {}
         self._ticks = 0
         self._late_ticks = 0
         self._last_tick_s = 0.0
         self._node: NodeView | None = None
+        self._node_read_s = float("-inf")
 
     # -- registration (called by the daemon) ----------------------------------------------------
 
@@ -140,7 +161,7 @@ class Monitor:
         """The node as of the last tick (read now if there was none)."""
         if self._node is None:
             total, available = self._node_memory()
-            return self._build_node(total, available, {})
+            return self._build_node(total, available)
         return self._node
 
     def admit(self, limits: EnvLimits) -> Admission:
@@ -165,8 +186,8 @@ class Monitor:
                     self._late_ticks += 1
             await trio.sleep_until(next_s)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._offload:
+    async def _call(self, in_thread: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        if in_thread:
             return await trio.to_thread.run_sync(fn, *args)
         return fn(*args)
 
@@ -174,41 +195,83 @@ class Monitor:
         """Sample every env, decide, apply. Public so tests and ``weenv top --once`` can step it."""
         started = trio.current_time()
         envs = list(self._envs.values())
-        samples, node_memory = await self._call(self._sample_all, envs)
+        # The node's memory matters when some env may ask for more; when every env is settled it
+        # is only refreshed for views, once a second (/proc/meminfo is not free).
+        need_node = (
+            self._node is None
+            or started - self._node_read_s >= 1.0
+            or not all(env.settled for env in envs)
+        )
+        samples, node_memory = await self._call(self._offload == "all", self._sample_all, envs, need_node)
+        if node_memory is None:
+            assert self._node is not None
+            total, available = self._node.memory_total_bytes, self._node.memory_available_bytes
+        else:
+            total, available = node_memory
+            self._node_read_s = started
         now = trio.current_time()
-        fresh = {}
+        live = self._envs
+        committed = 0.0
+        promised = 0
+        todo: list[tuple[_Env, CgroupSample, bool]] = []
         for env, sample in zip(envs, samples):
-            if isinstance(sample, CgroupSample) and self._envs.get(env.env_id) is env:
-                fresh[env.env_id] = sample
-        node = self._build_node(*node_memory, fresh)
-        changes: list[tuple[_Env, Decision]] = []
-        for env, sample in zip(envs, samples):
-            if self._envs.get(env.env_id) is not env:
+            if live.get(env.env_id) is not env:
                 continue  # removed while we sampled
-            if not isinstance(sample, CgroupSample):
+            if sample.__class__ is CgroupSample:
+                env.error = None
+                key = (
+                    sample.cpu_usage_ns, sample.memory_usage_bytes, sample.nr_throttled, sample.memory_limit_hits,
+                    sample.memory_high_events, sample.oom_kills, sample.memory_stalled,
+                    sample.memory_pressure_some_total_us,
+                )  # fmt: skip
+                unchanged = key == env.key
+                env.key = key
+                if unchanged and env.settled:
+                    # Same inputs as the last decision, which changed nothing and started no
+                    # timer: decide() would return it again (see _Env.settled).
+                    env.last = sample
+                else:
+                    todo.append((env, sample, unchanged))
+            else:
                 env.metrics.sample_errors += 1
                 if env.error is None:
                     log.warning("env %s: cannot sample its cgroup: %s", env.env_id, sample)
                 env.error = str(sample)
-                continue
-            env.error = None
+                sample = env.last
+            committed, promised = self._add_commitments(env, sample, committed, promised)
+        node = NodeView(
+            cpu_cores=self.cpu_cores,
+            cpu_burst_committed_cores=committed,
+            memory_total_bytes=total,
+            memory_available_bytes=available,
+            memory_promised_bytes=promised,
+        )
+        changes: list[tuple[_Env, Decision]] = []
+        cfg = self.cfg
+        for env, sample, unchanged in todo:
             prev = env.last
             self._count(env, sample, prev)
-            d = decide(env.state, sample, prev, env.limits, node, self.cfg, now)
+            old = env.state
+            d = decide(old, sample, prev, env.limits, node, cfg, now)
             env.last = sample
             env.decision = d
-            if d.cpu_refused and not env.state.cpu_refused:
+            new = d.state
+            if d.cpu_refused and not old.cpu_refused:
                 env.metrics.cpu_refusals += 1
                 log.warning("env %s: %s", env.env_id, "; ".join(d.reasons))
-            if d.memory_refused and not env.state.memory_refused:
+            if d.memory_refused and not old.memory_refused:
                 env.metrics.memory_refusals += 1
                 log.warning("env %s: %s", env.env_id, "; ".join(d.reasons))
             if d.cpu_change is None and d.memory_change is None:
-                env.state = d.state
+                env.state = new
+                env.settled = (
+                    unchanged and not d.cpu_refused and not d.memory_refused
+                    and new.cpu_low_since_s is None and new.memory_low_since_s is None
+                )  # fmt: skip
                 continue
+            env.settled = False
             changes.append((env, d))
             # Later envs in this tick must see what this one was granted.
-            old = env.state
             cpu_lo = env.limits.cpu_range[0] if env.limits.cpu_range else 0.0
             node = msgspec.structs.replace(
                 node,
@@ -219,7 +282,7 @@ class Monitor:
             )
         self._node = node
         if changes:
-            results = await self._call(self._apply_all, changes)
+            results = await self._call(self._offload != "none", self._apply_all, changes)
             for (env, d), (actual, error) in zip(changes, results):
                 self._record(env, d, actual, error, now)
         self._ticks += 1
@@ -227,14 +290,17 @@ class Monitor:
 
     # -- worker-thread halves ------------------------------------------------------------------
 
-    def _sample_all(self, envs: list[_Env]) -> tuple[list[CgroupSample | CgroupError], tuple[int, int]]:
+    def _sample_all(
+        self, envs: list[_Env], need_node: bool = True
+    ) -> tuple[list[CgroupSample | CgroupError], tuple[int, int] | None]:
         out: list[CgroupSample | CgroupError] = []
+        age_s = self.idle_memory_refresh_s
         for env in envs:
             try:
-                out.append(env.cgroup.sample())
+                out.append(env.cgroup.sample(memory_max_age_s=age_s))
             except CgroupError as exc:
                 out.append(exc)
-        return out, self._node_memory()
+        return out, self._node_memory() if need_node else None
 
     def _apply_all(self, changes: list[tuple[_Env, Decision]]) -> list[tuple[int | None, CgroupError | None]]:
         results: list[tuple[int | None, CgroupError | None]] = []
@@ -256,19 +322,26 @@ class Monitor:
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
-    def _build_node(self, total: int, available: int, samples: dict[str, CgroupSample]) -> NodeView:
+    @staticmethod
+    def _add_commitments(
+        env: _Env, sample: CgroupSample | None, committed: float, promised: int
+    ) -> tuple[float, int]:
+        cpu = env.limits.cpu_range
+        q = env.state.cpu_quota_cores
+        if cpu is not None and q is not None and q > cpu[0]:
+            committed += q - cpu[0]
+        limit = env.state.memory_limit_bytes
+        if limit is not None:
+            used = sample.memory_usage_bytes if sample is not None else 0
+            if limit > used:
+                promised += limit - used
+        return committed, promised
+
+    def _build_node(self, total: int, available: int) -> NodeView:
         committed = 0.0
         promised = 0
         for env in self._envs.values():
-            cpu = env.limits.cpu_range
-            q = env.state.cpu_quota_cores
-            if cpu is not None and q is not None:
-                committed += max(0.0, q - cpu[0])
-            limit = env.state.memory_limit_bytes
-            sample = samples.get(env.env_id) or env.last
-            if limit is not None:
-                used = sample.memory_usage_bytes if sample is not None else 0
-                promised += max(0, limit - used)
+            committed, promised = self._add_commitments(env, env.last, committed, promised)
         return NodeView(
             cpu_cores=self.cpu_cores,
             cpu_burst_committed_cores=committed,

@@ -23,6 +23,7 @@ condition to hold for ``hold_s`` without a break.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import msgspec
@@ -38,7 +39,7 @@ def _mib(n: int) -> str:
     return f"{n / _MIB:.0f} MiB"
 
 
-class EnvLimits(msgspec.Struct, frozen=True, kw_only=True):
+class EnvLimits(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     """What a plan's ``resources`` declares for one env. A resource with neither min nor max is
     left unlimited; with only one of them, or min == max, it is fixed at that value."""
 
@@ -60,7 +61,7 @@ class EnvLimits(msgspec.Struct, frozen=True, kw_only=True):
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"EnvLimits: memory_min_bytes {lo} > memory_max_bytes {hi}")
 
-    @property
+    @functools.cached_property  # read every tick for every env
     def cpu_range(self) -> tuple[float, float] | None:
         """``(min, max)`` cores, or None when unlimited."""
         lo, hi = self.cpu_min_cores, self.cpu_max_cores
@@ -68,7 +69,7 @@ class EnvLimits(msgspec.Struct, frozen=True, kw_only=True):
             return None
         return (lo if lo is not None else hi, hi if hi is not None else lo)  # type: ignore[return-value]
 
-    @property
+    @functools.cached_property
     def memory_range(self) -> tuple[int, int] | None:
         """``(min, max)`` bytes, page-aligned, or None when unlimited."""
         lo, hi = self.memory_min_bytes, self.memory_max_bytes

@@ -132,8 +132,13 @@ class Cgroup(abc.ABC):
         """Limit the number of tasks; None removes the limit."""
 
     @abc.abstractmethod
-    def sample(self) -> CgroupSample:
-        """Read the group's counters. Cheap enough to call every 200 ms for hundreds of groups."""
+    def sample(self, *, memory_max_age_s: float = 0.0) -> CgroupSample:
+        """Read the group's counters. Cheap enough to call every 200 ms for hundreds of groups.
+
+        A group that used no CPU since the last full reading is answered from that reading (its
+        counters cannot have moved). ``memory_max_age_s`` > 0 lets such an idle group's memory
+        usage be that old too (it can only fall, by global reclaim): one read per idle group.
+        """
 
     @abc.abstractmethod
     def freeze(self, timeout_s: float = 1.0) -> None:

@@ -129,7 +129,7 @@ class FakeCgroup(Cgroup):
             self.pids_max = max_pids
             self.history.append(("pids", max_pids))
 
-    def sample(self) -> CgroupSample:
+    def sample(self, *, memory_max_age_s: float = 0.0) -> CgroupSample:
         with self._lock:
             self._check()
             now = self._advance()

@@ -15,6 +15,8 @@ import signal
 import time
 from collections.abc import Mapping
 
+import msgspec
+
 from .._errors import CgroupBusyError, CgroupError, CgroupExistsError, CgroupNotFoundError
 from .._errors import CgroupUnavailableError
 from ._base import Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up, parse_flat_keyed
@@ -45,7 +47,7 @@ class V1Cgroup(Cgroup):
     __slots__ = (
         "name", "_fs", "_files", "_dirs", "_mem", "_cpu", "_acct", "_frz", "_pids", "_unified",
         "_quota_cores", "_period_us", "_limit", "_hard", "_kill_disabled", "_pids_max",
-        "_last_usage_ns", "_cpu_stat",
+        "_last", "_memory_read_s",
     )  # fmt: skip
 
     def __init__(self, name: str, dirs: Mapping[str, str], unified_dir: str | None, fs: CgroupFs):
@@ -67,8 +69,9 @@ class V1Cgroup(Cgroup):
         self._hard: int | None = None
         self._kill_disabled = False
         self._pids_max: int | None = None
-        self._last_usage_ns = -1
-        self._cpu_stat = (0, 0, 0)
+        # The last full reading; limits written since invalidate it.
+        self._last: CgroupSample | None = None
+        self._memory_read_s = float("-inf")
 
     # -- reading limits back (open) ------------------------------------------------------------
 
@@ -105,6 +108,7 @@ class V1Cgroup(Cgroup):
         for path in self.procs_paths():
             with translate_oserror(self.name, path):
                 self._fs.write(path, str(pid))
+        self._last = None
 
     def _need(self, directory: str | None, controller: str) -> str:
         if directory is None:
@@ -123,6 +127,7 @@ class V1Cgroup(Cgroup):
         with translate_oserror(self.name, path):
             self._fs.write(path, str(value))
         self._quota_cores = None if quota_cores is None else value / period_us
+        self._last = None
 
     def set_memory(self, limit_bytes: int | None, *, hard_limit_bytes: int | None = None) -> int | None:
         d = self._need(self._mem, "memory")
@@ -138,9 +143,11 @@ class V1Cgroup(Cgroup):
                     raise
             # The kernel could not reclaim down to the new limit: the old one stays in force.
             self._limit = _limit_or_none(self._read_int(path))
+            self._last = None
             return self._limit
         self._limit = limit
         self._hard = hard
+        self._last = None
         if kill_disabled != self._kill_disabled:
             # Enabling the OOM killer after the limit moved wakes tasks sleeping at the old limit:
             # they retry against the new one and are killed only if they still do not fit.
@@ -156,30 +163,46 @@ class V1Cgroup(Cgroup):
         with translate_oserror(self.name, path):
             self._fs.write(path, "max" if max_pids is None else str(int(max_pids)))
         self._pids_max = None if max_pids is None else int(max_pids)
+        self._last = None
 
-    def sample(self) -> CgroupSample:
+    def sample(self, *, memory_max_age_s: float = 0.0) -> CgroupSample:
         read = self._files.read
         ts = time.monotonic()
         path = ""
-        usage_ns = 0
-        mem_usage = failcnt = oom_kills = pids_current = 0
-        under_oom = False
-        cpu_some = mem_some = mem_full = None
-        mem_some_total = mem_full_total = None
+        usage_ns = mem_usage = 0
         try:
+            last = self._last
             if self._acct is not None:
                 path = self._acct + "/cpuacct.usage"
                 usage_ns = int(read(path))
-            if self._cpu is not None and (usage_ns != self._last_usage_ns or self._acct is None):
-                # A group that used no CPU since the last read ran no CFS period either, so the
-                # throttling counters cannot have moved: skip the read (idle envs are the norm).
-                path = self._cpu + "/cpu.stat"
-                st = parse_flat_keyed(read(path))
-                self._cpu_stat = (st[b"nr_periods"], st[b"nr_throttled"], st[b"throttled_time"])
-                self._last_usage_ns = usage_ns
+                # No task ran since the last full reading (no CPU time was charged): no CFS
+                # period ran, nothing allocated, forked, stalled or hit a limit, so every counter
+                # is where it was. Only the memory charge can still move without the group
+                # running (global reclaim takes pages away), hence its own refresh age. Idle envs
+                # are the norm; this answers them from one or two reads instead of eight.
+                if last is not None and usage_ns == last.cpu_usage_ns and ts - self._memory_read_s < memory_max_age_s:
+                    return msgspec.structs.replace(last, timestamp_s=ts)
             if self._mem is not None:
                 path = self._mem + "/memory.usage_in_bytes"
                 mem_usage = int(read(path))
+                self._memory_read_s = ts
+            if (
+                last is not None
+                and self._acct is not None
+                and usage_ns == last.cpu_usage_ns
+                and mem_usage == last.memory_usage_bytes
+            ):
+                return msgspec.structs.replace(last, timestamp_s=ts)
+            nr_periods = nr_throttled = throttled_ns = 0
+            failcnt = oom_kills = pids_current = 0
+            under_oom = False
+            cpu_some = mem_some = mem_full = None
+            mem_some_total = mem_full_total = None
+            if self._cpu is not None:
+                path = self._cpu + "/cpu.stat"
+                st = parse_flat_keyed(read(path))
+                nr_periods, nr_throttled, throttled_ns = st[b"nr_periods"], st[b"nr_throttled"], st[b"throttled_time"]
+            if self._mem is not None:
                 path = self._mem + "/memory.failcnt"
                 failcnt = int(read(path))
                 path = self._mem + "/memory.oom_control"
@@ -199,8 +222,7 @@ class V1Cgroup(Cgroup):
                 raise exc from None
         except (ValueError, KeyError, IndexError) as exc:
             raise CgroupError(f"unexpected cgroupfs content: {exc!r}", group=self.name, path=path) from exc
-        nr_periods, nr_throttled, throttled_ns = self._cpu_stat
-        return CgroupSample(
+        sample = self._last = CgroupSample(
             timestamp_s=ts,
             cpu_usage_ns=usage_ns,
             nr_periods=nr_periods,
@@ -223,6 +245,7 @@ class V1Cgroup(Cgroup):
             memory_pressure_some_total_us=mem_some_total,
             memory_pressure_full_total_us=mem_full_total,
         )
+        return sample
 
     def _freezer_state(self) -> bytes:
         path = f"{self._need(self._frz, 'freezer')}/freezer.state"
@@ -264,6 +287,7 @@ class V1Cgroup(Cgroup):
         return sorted(found)
 
     def kill_all(self) -> int:
+        self._last = None
         pids = self.pids()
         if not pids:
             return 0

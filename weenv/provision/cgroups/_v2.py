@@ -14,6 +14,8 @@ import os
 import signal
 import time
 
+import msgspec
+
 from .._errors import CgroupBusyError, CgroupError, CgroupExistsError, CgroupNotFoundError
 from .._errors import CgroupUnavailableError
 from ._base import Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up, parse_flat_keyed
@@ -32,7 +34,7 @@ def _max_or_int(raw: bytes) -> int | None:
 class V2Cgroup(Cgroup):
     __slots__ = (
         "name", "_fs", "_files", "_dir", "_features", "_quota_cores", "_period_us", "_limit",
-        "_hard", "_pids_max",
+        "_hard", "_pids_max", "_last", "_memory_read_s",
     )  # fmt: skip
 
     def __init__(self, name: str, directory: str, features: frozenset[str], fs: CgroupFs):
@@ -46,6 +48,9 @@ class V2Cgroup(Cgroup):
         self._limit: int | None = None
         self._hard: int | None = None
         self._pids_max: int | None = None
+        # The last full reading; anything written since invalidates it.
+        self._last: CgroupSample | None = None
+        self._memory_read_s = float("-inf")
 
     def _path(self, file: str) -> str:
         return f"{self._dir}/{file}"
@@ -57,6 +62,7 @@ class V2Cgroup(Cgroup):
 
     def _write(self, file: str, value: str) -> None:
         path = self._path(file)
+        self._last = None
         with translate_oserror(self.name, path):
             self._fs.write(path, value)
 
@@ -122,22 +128,32 @@ class V2Cgroup(Cgroup):
         self._write("pids.max", "max" if max_pids is None else str(int(max_pids)))
         self._pids_max = None if max_pids is None else int(max_pids)
 
-    def sample(self) -> CgroupSample:
+    def sample(self, *, memory_max_age_s: float = 0.0) -> CgroupSample:
         read = self._files.read
         d = self._dir
         f = self._features
         ts = time.monotonic()
         path = ""
-        mem_usage = pids_current = 0
-        ev: dict[bytes, int] = {}
-        cpu_some = mem_some = mem_full = None
-        mem_some_total = mem_full_total = None
+        mem_usage = 0
         try:
             path = d + "/cpu.stat"
             st = parse_flat_keyed(read(path))
+            usage_ns = st[b"usage_usec"] * 1000
+            last = self._last
+            # Nothing ran since the last full reading: see V1Cgroup.sample.
+            if last is not None and usage_ns == last.cpu_usage_ns and ts - self._memory_read_s < memory_max_age_s:
+                return msgspec.structs.replace(last, timestamp_s=ts)
             if "memory" in f:
                 path = d + "/memory.current"
                 mem_usage = int(read(path))
+                self._memory_read_s = ts
+            if last is not None and usage_ns == last.cpu_usage_ns and mem_usage == last.memory_usage_bytes:
+                return msgspec.structs.replace(last, timestamp_s=ts)
+            pids_current = 0
+            ev: dict[bytes, int] = {}
+            cpu_some = mem_some = mem_full = None
+            mem_some_total = mem_full_total = None
+            if "memory" in f:
                 path = d + "/memory.events"
                 ev = parse_flat_keyed(read(path))
             if "pids" in f:
@@ -153,9 +169,9 @@ class V2Cgroup(Cgroup):
                 raise exc from None
         except (ValueError, KeyError, IndexError) as exc:
             raise CgroupError(f"unexpected cgroupfs content: {exc!r}", group=self.name, path=path) from exc
-        return CgroupSample(
+        sample = self._last = CgroupSample(
             timestamp_s=ts,
-            cpu_usage_ns=st.get(b"usage_usec", 0) * 1000,
+            cpu_usage_ns=usage_ns,
             nr_periods=st.get(b"nr_periods", 0),
             nr_throttled=st.get(b"nr_throttled", 0),
             throttled_ns=st.get(b"throttled_usec", 0) * 1000,
@@ -176,6 +192,7 @@ class V2Cgroup(Cgroup):
             memory_pressure_some_total_us=mem_some_total,
             memory_pressure_full_total_us=mem_full_total,
         )
+        return sample
 
     def freeze(self, timeout_s: float = 1.0) -> None:
         self._need("freeze")
