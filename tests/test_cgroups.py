@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+import msgspec
 import pytest
 
 from tests.fixtures_cgroups import MIB, Harness
@@ -166,13 +167,45 @@ class TestConformance:
         wait_for(lambda: child.pid in g.pids(), what="child in cgroup.procs")
         if cgroup_harness.kernel:
             # Every hierarchy, per the kernel's own view of the child.
+            with open("/proc/self/mountinfo") as f, open("/proc/self/cgroup") as c:
+                layout = parse_layout(f.read(), c.read())
+            where = {}
             with open(f"/proc/{child.pid}/cgroup") as f:
-                lines = f.read().splitlines()
-            dirs = [os.path.dirname(p) for p in g.procs_paths()]
-            for d in dirs:
-                assert any(d.endswith(line.split(":", 2)[2]) for line in lines if line.split(":", 2)[2] != "/"), d
+                for line in f:
+                    _, controllers, path = line.strip().split(":", 2)
+                    for c in controllers.split(",") if controllers else [""]:
+                        where[c] = path
+            mounts = {m: c for c, m in layout.v1_mounts.items()}
+            if layout.unified_mount:
+                mounts[layout.unified_mount] = ""
+            for p in g.procs_paths():
+                d = os.path.dirname(p)
+                mount = next(m for m in mounts if d.startswith(m + "/"))
+                for c in [c for c, m in layout.v1_mounts.items() if m == mount] or [""]:
+                    assert d == mount + where[c], (c, d, where)
         if "pids" in cgroup_harness.backend.features:
             assert g.sample().pids_current >= 1
+
+    def test_idle_readings_are_reused_but_activity_is_seen(self, cgroup_harness: Harness):
+        if not cgroup_harness.kernel:
+            pytest.skip(f"{cgroup_harness.kind}: counters only move under a kernel")
+        g = cgroup_harness.backend.create("activity")
+        a = g.sample(memory_max_age_s=60)
+        b = g.sample(memory_max_age_s=60)
+        assert b.timestamp_s > a.timestamp_s
+        assert msgspec.structs.replace(b, timestamp_s=a.timestamp_s) == a
+        child = cgroup_harness.spawn(g, "x = bytearray(20 << 20)\n" + BUSY)
+        assert child.stdout.readline() == b"up\n"
+        time.sleep(0.1)
+        c = g.sample(memory_max_age_s=60)
+        assert c.cpu_usage_ns > b.cpu_usage_ns
+        if "memory" in cgroup_harness.backend.features:
+            assert c.memory_usage_bytes >= b.memory_usage_bytes + 20 * MIB
+        if "cpu" in cgroup_harness.backend.features:
+            g.set_cpu(0.1)
+            time.sleep(0.3)
+            d = g.sample(memory_max_age_s=60)
+            assert d.cpu_quota_cores == 0.1 and d.nr_throttled > c.nr_throttled
 
     def test_freeze_stops_and_thaw_resumes(self, cgroup_harness: Harness):
         need(cgroup_harness, "freeze")

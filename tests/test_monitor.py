@@ -61,6 +61,24 @@ def test_hungry_env_doubles_to_max_in_three_ticks():
     run(scenario)
 
 
+def test_a_settled_env_still_reacts_on_the_next_tick():
+    async def scenario(monitor, backend):
+        g = backend.create("sleepy")
+        monitor.add("sleepy", g, HUNGRY)
+        await trio.sleep(5)  # idle at its mins: decide() is skipped from the second tick on
+        assert monitor._envs["sleepy"].settled
+        assert cpu_history(g) == [0.25] and memory_history(g) == [64]
+        g.cpu_demand_cores = 4.0
+        g.memory_demand_bytes = 60 * MIB
+        start = trio.current_time()
+        while g.quota_cores != 0.5 or g.limit_bytes != 128 * MIB:
+            await trio.sleep(0.01)
+        assert trio.current_time() - start <= 0.2 + 1e-6
+        assert not monitor._envs["sleepy"].settled
+
+    run(scenario)
+
+
 def test_idle_env_returns_to_min_after_holds():
     async def scenario(monitor, backend):
         g = backend.create("idle")
