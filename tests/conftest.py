@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures_envlet",
     "tests.fixtures_cgroups",
     "tests.fixtures_registry",
+    "tests.fixtures_runtime",
 ]

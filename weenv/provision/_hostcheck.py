@@ -21,6 +21,7 @@ import ctypes
 import errno
 import os
 import platform
+import resource
 import shutil
 
 import msgspec
@@ -49,6 +50,9 @@ class HostFacts(msgspec.Struct, frozen=True, kw_only=True):
     init_path: str | None = None
     """A statically linked idle init to bind-mount into every env (catatonit)."""
     kernel_release: str = ""
+    nofile_hard: int = 1 << 20
+    """This process's hard RLIMIT_NOFILE: an env cannot get more (raising it needs
+    CAP_SYS_RESOURCE, which sandboxed hosts like this one drop)."""
 
     @property
     def crun_needs_private_mount_ns(self) -> bool:
@@ -93,7 +97,13 @@ def detect_host(*, proc_dir: str = "/proc") -> HostFacts:
         crun_path=shutil.which("crun"),
         init_path=os.path.realpath(init_path) if init_path else None,
         kernel_release=platform.release(),
+        nofile_hard=_nofile_hard(),
     )
+
+
+def _nofile_hard() -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return (1 << 20) if hard == resource.RLIM_INFINITY else hard
 
 
 # -- the per-create recipe ---------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""Fixtures for the container runtime: a busybox rootfs, env cgroups, a crun runtime that cleans
+up after itself, and a helper that starts a real env.
+
+``busybox_rootfs`` is for every area's tests: a fresh directory per test with busybox-static and
+its applets linked relatively (``bin/<applet> -> busybox``), /etc/passwd and /etc/group with
+``root`` (0) and an unprivileged ``user`` (1000, also in group ``wheel`` 10), /tmp mode 1777.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from tests.fixtures_cgroups import require_v1_host, unique_root_name
+from tests.fixtures_common import require_command, require_root
+
+BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
+USER_UID = 1000
+USER_GID = 1000
+
+PASSWD = "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"
+GROUP = "root:x:0:\nwheel:x:10:user\nuser:x:1000:\nnogroup:x:65534:\n"
+
+
+def _busybox() -> str:
+    for p in BUSYBOX_CANDIDATES:
+        if os.path.exists(p):
+            out = subprocess.run(["file", "-L", p], capture_output=True, text=True).stdout if shutil.which("file") else ""
+            if not out or "statically linked" in out or "static-pie" in out:
+                return p
+    pytest.skip("needs busybox-static (apt-get install busybox-static)")
+
+
+def make_busybox_rootfs(root: str) -> str:
+    """Build the rootfs at ``root`` (created). Returns ``root``."""
+    busybox = _busybox()
+    os.makedirs(root, exist_ok=True)
+    for d in ("bin", "etc", "proc", "sys", "dev", "root", "home/user", "tmp", "var/tmp", "usr/bin", "sbin"):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    shutil.copy2(busybox, os.path.join(root, "bin/busybox"))  # a copy: envs run as root could write it
+    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for applet in applets:
+        if applet != "busybox":
+            os.symlink("busybox", os.path.join(root, "bin", applet))
+    with open(os.path.join(root, "etc/passwd"), "w") as f:
+        f.write(PASSWD)
+    with open(os.path.join(root, "etc/group"), "w") as f:
+        f.write(GROUP)
+    os.chmod(os.path.join(root, "tmp"), 0o1777)
+    os.chmod(os.path.join(root, "var/tmp"), 0o1777)
+    os.chmod(os.path.join(root, "root"), 0o700)
+    if os.geteuid() == 0:
+        os.chown(os.path.join(root, "home/user"), USER_UID, USER_GID)
+    return root
+
+
+@pytest.fixture
+def busybox_rootfs(tmp_path) -> str:
+    """A fresh busybox rootfs directory for this test."""
+    return make_busybox_rootfs(str(tmp_path / "rootfs"))
+
+
+# -- crun ----------------------------------------------------------------------------------------
+
+
+def require_crun() -> None:
+    require_root()
+    require_command("crun")
+    from weenv.provision._hostcheck import detect_host
+
+    if detect_host().init_path is None:
+        pytest.skip("needs catatonit (apt-get install catatonit): the env init")
+
+
+def _leftover_processes(state_dir: str) -> list[str]:
+    """Host processes still running from this runtime's containers (by their crun state dirs)."""
+    out = []
+    if not os.path.isdir(state_dir):
+        return out
+    for name in os.listdir(state_dir):
+        try:
+            with open(os.path.join(state_dir, name, "status")) as f:
+                status = f.read()
+        except OSError:
+            continue
+        out.append(f"{name}: {status[:200]}")
+    return out
+
+
+@pytest.fixture
+def crun_runtime(tmp_path) -> Iterator:
+    """A :class:`CrunRuntime` with its state under tmp_path; teardown force-deletes every
+    container it still has and checks crun's state directory is empty."""
+    require_crun()
+    from weenv.provision._runtime import CrunRuntime
+
+    runtime = CrunRuntime(str(tmp_path / "run"))
+    try:
+        yield runtime
+    finally:
+
+        async def cleanup() -> None:
+            for st in await runtime.list():
+                await runtime.delete(st.id, force=True)
+
+        trio.run(cleanup)
+        left = _leftover_processes(runtime.state_dir)
+        assert not left, f"containers left behind: {left}"
+
+
+@pytest.fixture
+def env_cgroup(v1_backend):
+    """A real v1 cgroup (memory, pids, cpu, cpuacct, freezer under this process's own groups)
+    for one env, limits off; removed (after a kill) by the backend fixture's teardown."""
+    return v1_backend.create("env")
+
+
+class EnvHandle:
+    """One started env: its id, bundle, rootfs and the cgroup.procs paths to pass to exec."""
+
+    def __init__(self, runtime, env_id: str, bundle: str, rootfs: str, cgroup_procs: list[str], init_pid: int):
+        self.runtime = runtime
+        self.env_id = env_id
+        self.bundle = bundle
+        self.rootfs = rootfs
+        self.cgroup_procs = cgroup_procs
+        self.init_pid = init_pid
+
+    async def exec(self, argv, **kw):
+        kw.setdefault("cgroup_procs", self.cgroup_procs)
+        kw.setdefault("timeout_s", 30)
+        return await self.runtime.exec(self.env_id, argv, **kw)
+
+    async def sh(self, script: str, **kw):
+        return await self.exec(["/bin/sh", "-c", script], **kw)
+
+
+async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgroup=None, **spec_options) -> EnvHandle:
+    """Prepare a bundle next to ``rootfs``, create and start the env."""
+    from weenv.provision._runtime import prepare_bundle
+
+    bundle = str(tmp_path / f"bundle-{env_id}")
+    os.makedirs(bundle, exist_ok=True)
+    spec = prepare_bundle(bundle, env_id=env_id, rootfs=rootfs, host=runtime.host, **spec_options)
+    procs = cgroup.procs_paths() if cgroup is not None else []
+    pid = await runtime.create(env_id, bundle, rootfs, spec, procs)
+    await runtime.start(env_id)
+    return EnvHandle(runtime, env_id, bundle, rootfs, procs, pid)
+
+
+__all__ = [
+    "EnvHandle",
+    "make_busybox_rootfs",
+    "require_crun",
+    "require_v1_host",
+    "start_env",
+    "unique_root_name",
+]
