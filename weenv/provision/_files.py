@@ -29,6 +29,7 @@ import stat
 import msgspec
 
 from ._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
+from ._ocispec import User, parse_user
 
 SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -36,6 +37,7 @@ RESOLVE_IN_ROOT = 0x10
 _MAX_SYMLINKS = 40
 
 DEFAULT_MAX_READ_BYTES = 64 << 20
+_MAX_ACCOUNT_FILE_BYTES = 4 << 20
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -464,3 +466,22 @@ class RootFS:
             raise self._translate(exc, path) from exc
         finally:
             os.close(dfd)
+
+
+def resolve_user(rootfs: RootFS | str, spec: str | int | None) -> User:
+    """The numeric identity for a plan's ``user`` (``name``, ``uid``, ``name:group``, ...),
+    looked up in the env's own /etc/passwd and /etc/group, read through :class:`RootFS` so a
+    hostile symlink there cannot make weenv read a host file."""
+    owned = isinstance(rootfs, str)
+    fs = RootFS(rootfs) if isinstance(rootfs, str) else rootfs
+    try:
+        texts = []
+        for name in ("/etc/passwd", "/etc/group"):
+            try:
+                texts.append(fs.read(name, max_bytes=_MAX_ACCOUNT_FILE_BYTES).decode("utf-8", errors="replace"))
+            except (EnvFileNotFoundError, EnvFileTypeError):
+                texts.append("")
+        return parse_user(spec, texts[0], texts[1])
+    finally:
+        if owned:
+            fs.close()
