@@ -16,7 +16,6 @@ from contextlib import contextmanager
 
 import msgspec
 
-from .._errors import CgroupBusyError as CgroupBusyError
 from .._errors import CgroupError, CgroupNameError, CgroupNotFoundError, CgroupUnavailableError
 
 # Names become directory names in every hierarchy; refusing "/" and ".." keeps every write
