@@ -4,6 +4,7 @@ shows (throttling, OOM kills, the pids limit, the freezer) on v1; then v2 file f
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from tests.fixtures_cgroups import MIB, Harness
 from weenv.provision._errors import CgroupBusyError, CgroupError, CgroupExistsError, CgroupNameError
 from weenv.provision._errors import CgroupNotFoundError, CgroupUnavailableError, ProvisionError
 from weenv.provision.cgroups import CgroupSample, parse_layout
+from weenv.provision.cgroups._base import translate_oserror
 
 pytestmark = pytest.mark.integration
 
@@ -500,6 +502,31 @@ class TestV2Mimic:
         fs.put(f"{backend.parent_dir}/bad", "memory.current", "lots\n")
         with pytest.raises(CgroupError, match="memory.current"):
             g.sample()
+
+
+# -- the error boundary ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "err, expected",
+    [
+        (errno.ENOENT, CgroupNotFoundError),
+        (errno.ENODEV, CgroupNotFoundError),
+        (errno.EBUSY, CgroupBusyError),
+        (errno.EACCES, CgroupUnavailableError),
+        (errno.EPERM, CgroupUnavailableError),
+        (errno.EROFS, CgroupUnavailableError),
+        (errno.EINVAL, CgroupError),
+        (errno.ENOSPC, CgroupError),
+    ],
+)
+def test_every_oserror_is_mapped_at_the_boundary(err, expected):
+    with pytest.raises(expected) as info:
+        with translate_oserror("env-7", "/sys/fs/cgroup/x/cpu.max"):
+            raise OSError(err, os.strerror(err))
+    assert type(info.value) is expected
+    assert "env-7" in str(info.value) and "/sys/fs/cgroup/x/cpu.max" in str(info.value)
+    assert isinstance(info.value.__cause__, OSError)
 
 
 # -- layout detection (pure) -------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import msgspec
 
-from .._errors import CgroupError, CgroupNameError, CgroupNotFoundError, CgroupUnavailableError
+from .._errors import CgroupBusyError, CgroupError, CgroupNameError, CgroupNotFoundError, CgroupUnavailableError
 
 # Names become directory names in every hierarchy; refusing "/" and ".." keeps every write
 # inside weenv's parent.
