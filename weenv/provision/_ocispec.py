@@ -261,11 +261,8 @@ def build_process(
         raise SpecError(f"nofile limits must satisfy 0 < soft <= hard, got {nofile}")
     return {
         "terminal": False,
-        "user": {
-            "uid": user.uid,
-            "gid": user.gid,
-            **({"additionalGids": list(user.additional_gids)} if user.additional_gids else {}),
-        },
+        # The primary group is listed too, as initgroups(3) does at login.
+        "user": {"uid": user.uid, "gid": user.gid, "additionalGids": list(dict.fromkeys((user.gid, *user.additional_gids)))},
         "args": _check_argv(args, "args"),
         "env": list(env),
         "cwd": _check_abs(cwd, "cwd"),

@@ -221,8 +221,9 @@ def _root_remount_step(container_mnt_fd: int, container_root_fd: int, host_mnt_f
     return step
 
 
-def _loopback_up(init_pid: int) -> None:
-    """Bring ``lo`` up in the env's network namespace. Runs in a thread of its own (the netns is
+def set_loopback(init_pid: int, up: bool) -> None:
+    """Set ``lo`` up or down in the env's network namespace (crun brings it up in every new
+    namespace; ``network = "none"`` wants it down). Runs in a thread of its own (the netns is
     per thread) that ends right after, so no pooled thread is ever left in the env's netns."""
     errors: list[BaseException] = []
 
@@ -238,7 +239,9 @@ def _loopback_up(init_pid: int) -> None:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 req = struct.pack("16sH14x", b"lo", 0)
                 flags = struct.unpack("16sH14x", ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
-                ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+                wanted = (flags | IFF_UP) if up else (flags & ~IFF_UP)
+                if wanted != flags:
+                    ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", wanted))
         except BaseException as exc:  # handed to the caller's thread
             errors.append(exc)
 
@@ -260,35 +263,43 @@ def _proc_stat(pid: int) -> tuple[int, int, str] | None:
     return int(fields[1]), int(fields[3]), fields[0].decode()
 
 
-def _members(leader: int) -> set[int]:
-    """Live (non-zombie) processes of one exec: its session, plus descendants of any of them
-    (a child that called setsid keeps its parent)."""
+def _members(leader: int, sessions: set[int]) -> set[int]:
+    """Live (non-zombie) processes of one exec: descendants of ``leader`` (crun's pid), plus
+    every process in a session that one of them ever led or belonged to. crun's helper starts
+    the command in a session of its own, and an orphaned background job (``(cmd &)``) is
+    reparented to the env's init, so parentage alone misses it; its session does not.
+    ``sessions`` accumulates across scans (a session id is not reused while any process is in
+    it)."""
     table: dict[int, tuple[int, int, str]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _proc_stat(int(name))
             if st is not None:
                 table[int(name)] = st
-    found = {pid for pid, (_pp, sid, _s) in table.items() if sid == leader}
-    found.add(leader)
+    found = {leader}
     grew = True
     while grew:
         grew = False
-        for pid, (ppid, _sid, _s) in table.items():
-            if ppid in found and pid not in found:
+        for pid, (ppid, sid, _s) in table.items():
+            if pid not in found and (ppid in found or sid in sessions):
                 found.add(pid)
+                grew = True
+        for pid in found:
+            if pid in table and table[pid][1] not in sessions:
+                sessions.add(table[pid][1])
                 grew = True
     return {pid for pid in found if pid in table and table[pid][2] not in ("Z", "X")}
 
 
 def kill_exec_tree(leader: int, *, spare_leader: bool = True, deadline_s: float = 5.0) -> int:
-    """SIGKILL every process of the exec led by ``leader`` (crun's pid, the session id) until a
-    scan finds none alive; returns how many were signalled. The leader itself is spared when
-    asked, so that crun can report the command's exit status."""
+    """SIGKILL every process of the exec led by ``leader`` (crun's pid) until a scan finds none
+    alive; returns how many were signalled. The leader itself is spared when asked, so that crun
+    can report the command's exit status."""
     signalled = 0
+    sessions = {leader}
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        targets = _members(leader)
+        targets = _members(leader, sessions)
         if spare_leader:
             targets.discard(leader)
         if not targets:
@@ -299,8 +310,10 @@ def kill_exec_tree(leader: int, *, spare_leader: bool = True, deadline_s: float 
             except OSError:
                 continue
             try:
-                st = _proc_stat(pid)  # re-checked after the pidfd pinned the process
-                if st is not None and (st[1] == leader or pid != leader):
+                # Re-checked once the pidfd pins the process: a pid freed and reused since the
+                # scan belongs to someone else (and is in none of our sessions).
+                st = _proc_stat(pid)
+                if st is not None and (st[1] in sessions or st[0] in targets or st[0] == leader):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     signalled += 1
             except OSError:
@@ -312,6 +325,8 @@ def kill_exec_tree(leader: int, *, spare_leader: bool = True, deadline_s: float 
 
 
 _NOT_FOUND = re.compile(rb"executable file `(.*?)` not found")
+# crun's words when the command exists but the kernel will not run it (mode, noexec, format).
+_CANNOT_EXECUTE = re.compile(rb"(open executable|exec `[^`]*`)[^\n]*")
 _NO_CONTAINER = (b"does not exist", b"error opening file", b"No such file or directory")
 
 
@@ -347,6 +362,9 @@ class CrunRuntime(Runtime):
         self._base: list[str] = [self.crun, "--root", self.state_dir, "--cgroup-manager=disabled"]
         # env id -> (init pid, the container's process spec); rebuilt from crun's state on miss.
         self._known: dict[str, tuple[int, dict]] = {}
+        # Env ids this runtime started (or found running): crun would exec into a container that
+        # is still parked before start, where the root is not yet nodev; we do not.
+        self._started: set[str] = set()
 
     # -- small crun calls --------------------------------------------------------------------
 
@@ -372,6 +390,8 @@ class CrunRuntime(Runtime):
         known = (st.pid, spec.get("process", {}))
         if st.pid > 0:
             self._known[env_id] = known
+        if st.status in ("running", "paused"):
+            self._started.add(env_id)
         return known
 
     # -- Runtime -------------------------------------------------------------------------------
@@ -417,9 +437,11 @@ class CrunRuntime(Runtime):
         with open(pid_file) as f:
             init_pid = int(f.read().strip())
         self._known[env_id] = (init_pid, spec.get("process", {}))
-        if spec.get("annotations", {}).get(ANNOTATION_NETWORK) == "loopback":
+        self._started.discard(env_id)
+        network = spec.get("annotations", {}).get(ANNOTATION_NETWORK, "none")
+        if any(ns.get("type") == "network" and not ns.get("path") for ns in spec.get("linux", {}).get("namespaces", ())):
             try:
-                await trio.to_thread.run_sync(_loopback_up, init_pid)
+                await trio.to_thread.run_sync(set_loopback, init_pid, network == "loopback")
             except BaseException:
                 with trio.CancelScope(shield=True):
                     await self.delete(env_id)
@@ -458,6 +480,7 @@ class CrunRuntime(Runtime):
             if any(m in proc.stderr for m in _NO_CONTAINER):
                 raise ContainerNotFoundError("no such container", env_id=env_id, detail=detail)
             raise ContainerError(f"crun start failed with exit status {proc.returncode}", env_id=env_id, detail=detail)
+        self._started.add(env_id)
 
     async def exec(
         self,
@@ -474,6 +497,8 @@ class CrunRuntime(Runtime):
         max_output_bytes: int | None = None,
     ) -> ExecResult:
         _init_pid, base = await self._lookup(env_id)
+        if env_id not in self._started:
+            raise ContainerError("cannot exec in an env that was created but not started", env_id=env_id)
         process = self._exec_process(base, argv, env=env, cwd=cwd, user=user)
         cap = self.max_output_bytes if max_output_bytes is None else max_output_bytes
         payload = json.dumps(process).encode()
@@ -499,7 +524,7 @@ class CrunRuntime(Runtime):
             for fd in (proc_r, log_w):
                 os.close(fd)
                 closing.remove(fd)
-            return await self._collect(env_id, proc, log_r, started, stdin, timeout_s, on_output, cap)
+            return await self._collect(env_id, proc, log_r, started, stdin, timeout_s, on_output, cap, argv[:1])
         finally:
             for fd in closing:
                 os.close(fd)
@@ -534,6 +559,7 @@ class CrunRuntime(Runtime):
         timeout_s: float | None,
         on_output: OutputCallback | None,
         cap: int,
+        argv0: Sequence[str] = (),
     ) -> ExecResult:
         buffers = {"stdout": bytearray(), "stderr": bytearray()}
         truncated = {"stdout": False, "stderr": False}
@@ -611,6 +637,11 @@ class CrunRuntime(Runtime):
                 not_found = True
                 code = 127
                 stderr = b"weenv: command not found in env %s: %s\n" % (env_id.encode(), m.group(1))
+            elif _CANNOT_EXECUTE.search(crun_log):
+                code = 126
+                detail = _CANNOT_EXECUTE.search(crun_log).group(0)
+                stderr = b"weenv: cannot execute %s in env %s: %s\n" % (
+                    (list(argv0)[0] if argv0 else "?").encode(), env_id.encode(), detail)
             elif any(s in crun_log for s in _NO_CONTAINER):
                 raise ContainerNotFoundError("no such container", env_id=env_id, detail=crun_log.decode(errors="replace"))
             elif not timed_out:
@@ -641,6 +672,7 @@ class CrunRuntime(Runtime):
 
     async def delete(self, env_id: str, force: bool = True) -> None:
         known = self._known.pop(env_id, None)
+        self._started.discard(env_id)
         pid = known[0] if known else 0
         if pid <= 0:
             try:
