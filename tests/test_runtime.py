@@ -18,7 +18,7 @@ from weenv.provision._errors import ContainerError, ContainerExistsError, Contai
 from weenv.provision._errors import UserNotFoundError
 from weenv.provision._files import resolve_user
 from weenv.provision._hostcheck import HostFacts, bind_unified_controllers_to_v1, detect_host, unbind_v1_controllers
-from weenv.provision._ocispec import DEFAULT_CAPABILITIES, DENIED_SYSCALLS, INIT_ARGS, INIT_PATH, MASKED_PATHS
+from weenv.provision._ocispec import DEFAULT_CAPABILITIES, DENIED_SYSCALLS, INIT_ARGS, INIT_PATH
 from weenv.provision._ocispec import BindMount, User, build_spec, default_seccomp, merge_env, parse_user
 from weenv.provision._ocispec import render_etc_files
 from weenv.provision._runtime import CrunRuntime, FakeRuntime, kill_exec_tree

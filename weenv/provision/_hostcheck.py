@@ -6,13 +6,16 @@ mount) whenever the cgroup2 hierarchy holds controllers, even with ``--cgroup-ma
 drop all controllers from cgroupv2"). Only ``crun create``/``run`` check; ``exec``, ``start``,
 ``kill``, ``state`` and ``delete`` work as they are. Two ways around it:
 
-- per create, in the child before exec'ing crun: a private mount namespace with the cgroup2
-  mount detached (:func:`private_mount_ns_recipe`). Costs one mount-namespace copy and its
-  teardown (an RCU grace period, several ms on a loaded host) per env start;
+- per create: a private mount namespace with the cgroup2 mount detached
+  (:func:`private_mount_ns_recipe`), entered by the thread that spawns ``crun create`` (or by a
+  child before exec). Its teardown waits for an RCU grace period (several ms on a loaded host);
+  the runtime lets the spawning thread pay that after crun has answered, so it is off the start
+  path;
 - once per boot: mount each controller that cgroup2 holds as its own v1 hierarchy
   (:func:`bind_unified_controllers_to_v1`), the layout systemd's hybrid mode makes anyway. Then
-  the cgroup2 mount is controller-less and crun needs nothing. This changes the host, so weenv
-  only does it when asked to (``weenv daemon`` option); the default is the recipe.
+  the cgroup2 mount is controller-less and crun needs nothing. This changes the host, and with
+  the teardown off the start path it measured no faster (benchmarks/start_crun.py
+  ``--alternative``), so the runtime uses the recipe.
 """
 
 from __future__ import annotations
@@ -115,10 +118,11 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 def private_mount_ns_recipe(unified_mount: str):
-    """A callable for a child process (preexec) that hides the cgroup2 mount from what it execs.
+    """A callable that moves the calling thread (or a child, as a preexec_fn) into a new
+    private mount namespace without the cgroup2 mount; processes it spawns inherit that.
 
-    Everything is resolved here, in the parent, so that the child only makes three syscalls and
-    touches no Python machinery that another thread could hold a lock on.
+    Everything is resolved here, so that the callable only makes three syscalls and touches no
+    Python machinery that another thread could hold a lock on.
     """
     target = os.fsencode(unified_mount)
     unshare, mount, umount2 = _libc.unshare, _libc.mount, _libc.umount2

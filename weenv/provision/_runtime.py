@@ -9,25 +9,27 @@ How :class:`CrunRuntime` drives crun:
 - crun keeps its state under weenv's own directory (``<run_dir>/crun``), never /run/crun, and runs
   with ``--cgroup-manager=disabled``: weenv owns the cgroups. Each crun process the runtime
   spawns (create, exec) writes its own pid into every ``cgroup.procs`` it is given before it
-  execs crun, so the env's init and every exec'd process are born in the env's groups.
-- ``create`` runs ``crun create`` in a private mount namespace with the cgroup2 mount hidden
-  when the host needs it (:mod:`._hostcheck`); nothing else needs that.
-- ``start`` first remounts the env's root ``nodev,nosuid`` from inside the container's mount
-  namespace (the init is still parked on crun's exec fifo): crun re-applies its own flags to the
-  root bind mount, and without a devices cgroup ``nodev`` is what keeps a device node shipped in
-  a layer from being opened.
+  execs crun (a two-line POSIX shell trampoline, so Python can vfork instead of forking the whole
+  daemon for a preexec_fn), so the env's init and every exec'd process are born in the env's
+  groups.
+- ``create`` spawns ``crun create`` from a fresh thread that first enters a private mount
+  namespace with the cgroup2 mount hidden, when the host needs it (:mod:`._hostcheck`); the
+  namespace's teardown happens as that thread ends, off the caller's path. Then, while the init
+  is still parked on crun's exec fifo, another fresh thread joins the env's mount namespace and
+  remounts its root ``nodev,nosuid`` (crun re-applies its own flags to the root bind mount, and
+  with no devices cgroup ``nodev`` is what keeps a device node shipped in a layer from being
+  opened), and sets ``lo`` up or down. No extra process is started for any of this.
 - ``exec`` passes the full OCI process (``crun exec --process``) so an exec'd command has the
   init's capabilities, no_new_privileges and rlimits; the JSON goes through a pipe, not a file.
-  The crun process leads a new session; every process of the exec keeps that session id, so a
-  timeout kills the whole tree (children, grandchildren, background jobs) by session and by
-  parentage, with pidfds so that a recycled pid is never signalled.
+  The crun process leads a new session and every process of the exec is its descendant or in a
+  session one of them made, so a timeout kills the whole tree (children, grandchildren,
+  orphaned background jobs), with pidfds so that a recycled pid is never signalled.
 """
 
 from __future__ import annotations
 
 import abc
 import ctypes
-import errno
 import inspect
 import json
 import math
@@ -52,7 +54,7 @@ from ._ocispec import ANNOTATION_NETWORK, DEFAULT_NOFILE, User, build_process, b
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 << 20
 
-OutputCallback = Callable[[str, bytes], "Awaitable[None] | None"]
+OutputCallback = Callable[[str, bytes], Awaitable[None] | None]
 
 
 class ExecResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -150,8 +152,10 @@ def prepare_bundle(bundle_dir: str, *, env_id: str, rootfs: str, host: HostFacts
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.unshare.argtypes = [ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
 
+CLONE_FS = 0x00000200
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 SYS_MOUNT_SETATTR = 442
@@ -172,84 +176,107 @@ class _MountAttr(ctypes.Structure):
     ]
 
 
-def _cgroup_entry(cgroup_procs: Sequence[str]) -> Callable[[], None]:
-    paths = [os.fsencode(p) for p in cgroup_procs]
-    getpid, os_open, os_write, os_close = os.getpid, os.open, os.write, os.close
-
-    def enter() -> None:
-        pid = b"%d" % getpid()
-        for p in paths:
-            fd = os_open(p, os.O_WRONLY)
-            try:
-                os_write(fd, pid)
-            finally:
-                os_close(fd)
-
-    return enter
+# A cgroup.procs write needs to happen in the child before it execs crun. A Python preexec_fn
+# would force subprocess to fork() the whole daemon (5-10 ms here, growing with its memory); a
+# POSIX shell does it for ~1 ms and lets Python use vfork. "$$" is the shell, which then becomes
+# crun. The files are opened by the parent and handed down as descriptors: the child of
+# ``create`` may run where the cgroup2 mount is hidden. Exit status 125 (never crun's) means a
+# write failed.
+_TRAMPOLINE = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ >"/dev/fd/$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
+TRAMPOLINE_FAILED = 125
 
 
-def _chain(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
-    steps = tuple(s for s in steps if s is not None)
-    if not steps:
-        return None
+class _CgroupFds:
+    """The env's cgroup.procs files, open for the trampoline (a context manager)."""
+
+    def __init__(self, cgroup_procs: Sequence[str]):
+        self.paths = list(cgroup_procs)
+        self.fds: list[int] = []
+
+    def __enter__(self) -> _CgroupFds:
+        try:
+            for p in self.paths:
+                self.fds.append(os.open(p, os.O_WRONLY | os.O_CLOEXEC))
+        except OSError:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        if not self.fds:
+            return argv
+        return ["/bin/sh", "-c", _TRAMPOLINE, "weenv-spawn", str(len(self.fds)), *map(str, self.fds), *argv]
+
+
+def in_fresh_thread(fn: Callable[[], object]) -> object:
+    """Run ``fn`` in a thread of its own and return its result (or raise its exception).
+
+    For work that changes the calling thread's namespaces (mount, network: both per thread in
+    Linux): the thread is never reused. We return as soon as ``fn`` is done, not when the thread
+    has exited: tearing down a private mount namespace waits for an RCU grace period, which is
+    the thread's business, not the caller's."""
+    box: dict[str, object] = {}
+    done = threading.Event()
 
     def run() -> None:
-        for step in steps:
-            step()
-
-    return run
-
-
-def _root_remount_step(container_mnt_fd: int, container_root_fd: int, host_mnt_fd: int) -> Callable[[], None]:
-    """For the child of ``crun start``: enter the container's mount namespace (a mount can only
-    be changed from its own namespace, and only a single-threaded process may switch), set
-    nodev+nosuid on the root mount, and come back before exec'ing crun."""
-    attr = _MountAttr(MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID, 0, 0, 0)
-    size = ctypes.sizeof(attr)
-    setns, syscall, get_errno = _libc.setns, _libc.syscall, ctypes.get_errno
-
-    def step() -> None:
-        if setns(container_mnt_fd, CLONE_NEWNS) != 0:
-            raise OSError(get_errno(), "setns into the env's mount namespace")
-        rc = syscall(SYS_MOUNT_SETATTR, ctypes.c_int(container_root_fd), b"", ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr), ctypes.c_size_t(size))
-        failed = get_errno() if rc != 0 else 0
-        if setns(host_mnt_fd, CLONE_NEWNS) != 0:
-            raise OSError(get_errno(), "setns back to the host mount namespace")
-        if failed:
-            raise OSError(failed, "mount_setattr(nodev,nosuid) on the env's root")
-
-    return step
-
-
-def set_loopback(init_pid: int, up: bool) -> None:
-    """Set ``lo`` up or down in the env's network namespace (crun brings it up in every new
-    namespace; ``network = "none"`` wants it down). Runs in a thread of its own (the netns is
-    per thread) that ends right after, so no pooled thread is ever left in the env's netns."""
-    errors: list[BaseException] = []
-
-    def work() -> None:
         try:
-            netfd = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _libc.setns(netfd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns into the network namespace of pid {init_pid}: {os.strerror(err)}")
-            finally:
-                os.close(netfd)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                req = struct.pack("16sH14x", b"lo", 0)
-                flags = struct.unpack("16sH14x", ioctl(s.fileno(), SIOCGIFFLAGS, req))[1]
-                wanted = (flags | IFF_UP) if up else (flags & ~IFF_UP)
-                if wanted != flags:
-                    ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", wanted))
+            box["result"] = fn()
         except BaseException as exc:  # handed to the caller's thread
-            errors.append(exc)
+            box["error"] = exc
+        finally:
+            done.set()
 
-    t = threading.Thread(target=work, name=f"weenv-lo-{init_pid}", daemon=True)
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
+    threading.Thread(target=run, name="weenv-ns", daemon=True).start()
+    done.wait()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("result")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _setup_env_namespaces(init_pid: int, *, remount_root: bool, loopback: bool | None) -> None:
+    """From a fresh thread, between ``crun create`` and ``crun start`` (the init is parked):
+
+    - remount the env's root ``nodev,nosuid``. A mount can only be changed from its own mount
+      namespace; a thread may switch after unsharing its fs_struct (CLONE_FS). crun re-applies its
+      own flags to the root bind mount, so a flag set on the rootfs before create would not last.
+    - set ``lo`` up or down (crun brings it up in every new network namespace).
+    """
+    nsfds = []
+    try:
+        mnt = os.open(f"/proc/{init_pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        nsfds.append(mnt)
+        root = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        nsfds.append(root)
+        net = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        nsfds.append(net)
+        if remount_root:
+            _check(_libc.unshare(CLONE_FS), "unshare(CLONE_FS)")
+            _check(_libc.setns(mnt, CLONE_NEWNS), f"setns into the mount namespace of pid {init_pid}")
+            attr = _MountAttr(MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID, 0, 0, 0)
+            rc = _libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_int(root), b"", ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+            _check(rc, "mount_setattr(nodev,nosuid) on the env's root")
+        if loopback is not None:
+            _check(_libc.setns(net, CLONE_NEWNET), f"setns into the network namespace of pid {init_pid}")
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                req = struct.pack("16sH14x", b"lo", 0)
+                flags = struct.unpack("16sH14x", ioctl(sock.fileno(), SIOCGIFFLAGS, req))[1]
+                wanted = (flags | IFF_UP) if loopback else (flags & ~IFF_UP)
+                if wanted != flags:
+                    ioctl(sock.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", wanted))
+    finally:
+        for fd in nsfds:
+            os.close(fd)
 
 
 def _proc_stat(pid: int) -> tuple[int, int, str] | None:
@@ -414,67 +441,61 @@ class CrunRuntime(Runtime):
                 pass
         # The init's stdout/stderr: a log in the bundle (a pipe would keep crun create waiting).
         init_log = os.open(os.path.join(bundle_dir, "init.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        recipe = self._private_ns
         try:
-            proc = await trio.run_process(
-                [*self._base, f"--log=file:{crun_log}", "create", "--bundle", bundle_dir, "--pid-file", pid_file, env_id],
-                stdin=subprocess.DEVNULL,
-                stdout=init_log,
-                stderr=init_log,
-                check=False,
-                preexec_fn=_chain(_cgroup_entry(cgroup_procs), self._private_ns),
-            )
+            with _CgroupFds(cgroup_procs) as cg:
+                argv = cg.wrap(
+                    [*self._base, f"--log=file:{crun_log}", "create", "--bundle", bundle_dir, "--pid-file", pid_file, env_id]
+                )
+
+                def spawn() -> int:
+                    # In a fresh thread: the private mount namespace (when the host needs one) is
+                    # this thread's, crun inherits it, and its teardown happens when the thread
+                    # ends, after we have our answer.
+                    if recipe is not None:
+                        recipe()
+                    return subprocess.run(
+                        argv, stdin=subprocess.DEVNULL, stdout=init_log, stderr=init_log, pass_fds=cg.fds
+                    ).returncode
+
+                returncode = await trio.to_thread.run_sync(in_fresh_thread, spawn)
+        except OSError as exc:
+            raise ContainerError("could not open the env's cgroups", env_id=env_id, detail=str(exc)) from exc
         finally:
             os.close(init_log)
-        if proc.returncode != 0:
+        if returncode != 0:
             try:
                 with open(crun_log, "rb") as f:
                     detail = f.read()[-4000:].decode(errors="replace")
             except OSError:
                 detail = ""
+            if returncode == TRAMPOLINE_FAILED and not detail:
+                detail = f"could not write the new process into {', '.join(cgroup_procs)}"
             if "already exists" in detail:
                 raise ContainerExistsError("a container with this id already exists", env_id=env_id, detail=detail)
-            raise ContainerError(f"crun create failed with exit status {proc.returncode}", env_id=env_id, detail=detail)
+            raise ContainerError(f"crun create failed with exit status {returncode}", env_id=env_id, detail=detail)
         with open(pid_file) as f:
             init_pid = int(f.read().strip())
         self._known[env_id] = (init_pid, spec.get("process", {}))
         self._started.discard(env_id)
         network = spec.get("annotations", {}).get(ANNOTATION_NETWORK, "none")
-        if any(ns.get("type") == "network" and not ns.get("path") for ns in spec.get("linux", {}).get("namespaces", ())):
-            try:
-                await trio.to_thread.run_sync(set_loopback, init_pid, network == "loopback")
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await self.delete(env_id)
-                raise
+        new_netns = any(ns.get("type") == "network" and not ns.get("path") for ns in spec.get("linux", {}).get("namespaces", ()))
+        try:
+            await trio.to_thread.run_sync(
+                in_fresh_thread,
+                lambda: _setup_env_namespaces(init_pid, remount_root=True, loopback=(network == "loopback") if new_netns else None),
+            )
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                await self.delete(env_id)
+            if isinstance(exc, OSError):
+                raise ContainerError("could not lock the env down before start", env_id=env_id, detail=str(exc)) from exc
+            raise
         return init_pid
 
     async def start(self, env_id: str) -> None:
-        init_pid, _ = await self._lookup(env_id)
-        fds: list[int] = []
-        try:
-            for path, flags in (
-                (f"/proc/{init_pid}/ns/mnt", os.O_RDONLY),
-                (f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY),
-                ("/proc/self/ns/mnt", os.O_RDONLY),
-            ):
-                fds.append(os.open(path, flags | os.O_CLOEXEC))
-        except OSError as exc:
-            for fd in fds:
-                os.close(fd)
-            raise ContainerError("the env's init is gone before start", env_id=env_id, detail=str(exc)) from exc
-        try:
-            proc = await trio.run_process(
-                [*self._base, "start", env_id],
-                capture_stdout=True,
-                capture_stderr=True,
-                check=False,
-                preexec_fn=_root_remount_step(*fds),
-            )
-        except subprocess.SubprocessError as exc:  # the preexec step failed in the child
-            raise ContainerError("could not remount the env's root nodev,nosuid", env_id=env_id, detail=str(exc)) from exc
-        finally:
-            for fd in fds:
-                os.close(fd)
+        await self._lookup(env_id)
+        proc = await trio.run_process([*self._base, "start", env_id], capture_stdout=True, capture_stderr=True, check=False)
         if proc.returncode != 0:
             detail = proc.stderr.decode(errors="replace")
             if any(m in proc.stderr for m in _NO_CONTAINER):
@@ -512,15 +533,15 @@ class CrunRuntime(Runtime):
             os.close(proc_w)
             closing.remove(proc_w)
             started = time.perf_counter()
-            proc = await trio.lowlevel.open_process(
-                [*self._base, f"--log=file:/dev/fd/{log_w}", "exec", f"--process=/dev/fd/{proc_r}", env_id],
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                pass_fds=(proc_r, log_w),
-                preexec_fn=_cgroup_entry(cgroup_procs) if cgroup_procs else None,
-            )
+            with _CgroupFds(cgroup_procs) as cg:
+                proc = await trio.lowlevel.open_process(
+                    cg.wrap([*self._base, f"--log=file:/dev/fd/{log_w}", "exec", f"--process=/dev/fd/{proc_r}", env_id]),
+                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    pass_fds=(proc_r, log_w, *cg.fds),
+                )
             for fd in (proc_r, log_w):
                 os.close(fd)
                 closing.remove(fd)
@@ -631,6 +652,8 @@ class CrunRuntime(Runtime):
         code = _decode_status(proc.returncode)
         stderr = bytes(buffers["stderr"])
         not_found = False
+        if code == TRAMPOLINE_FAILED and stderr.startswith(b"weenv-spawn:"):
+            raise ContainerError("could not put the command into the env's cgroups", env_id=env_id, detail=stderr.decode(errors="replace"))
         if crun_log and code != 0:
             m = _NOT_FOUND.search(crun_log)
             if m:
@@ -723,7 +746,7 @@ def _read_nonblocking(fd: int) -> bytes:
 
 # -- the fake ------------------------------------------------------------------------------------
 
-FakeCommand = Callable[[list[str], bytes], "Awaitable[tuple[int, bytes, bytes]] | tuple[int, bytes, bytes]"]
+FakeCommand = Callable[[list[str], bytes], Awaitable[tuple[int, bytes, bytes]] | tuple[int, bytes, bytes]]
 
 
 class FakeRuntime(Runtime):
