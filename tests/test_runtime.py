@@ -505,3 +505,22 @@ def test_v1_binding_alternative_removes_the_need_for_the_recipe(tmp_path, busybo
     while detect_host().unified_controllers != facts.unified_controllers and time.monotonic() < deadline:
         time.sleep(0.05)
     assert detect_host().unified_controllers == facts.unified_controllers
+
+
+def test_exec_into_a_frozen_env_times_out_without_hanging(crun_runtime, busybox_rootfs, tmp_path, env_cgroup):
+    crun_runtime.kill_grace_s = 0.3
+
+    async def main():
+        env = await start_env(crun_runtime, tmp_path, busybox_rootfs, cgroup=env_cgroup)
+        env_cgroup.freeze()
+        try:
+            with pytest.raises(ContainerError, match="frozen"):
+                await env.exec(["echo", "never"], timeout_s=0.5)
+        finally:
+            env_cgroup.thaw()
+        with trio.fail_after(10):
+            while set(env_cgroup.pids()) != {env.init_pid}:
+                await trio.sleep(0.02)
+        assert (await env.exec(["echo", "thawed"])).stdout == b"thawed\n"
+
+    run(main)

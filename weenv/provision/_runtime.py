@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from fcntl import ioctl
+from functools import partial
 
 import msgspec
 import trio
@@ -648,6 +649,12 @@ class CrunRuntime(Runtime):
                     with trio.CancelScope(shield=True):
                         await stream.aclose()
         duration_s = time.perf_counter() - started
+        if proc.returncode is None:
+            raise ContainerError(
+                f"the command did not die within {2 * self.kill_grace_s:.0f} s of SIGKILL (is the env frozen?); "
+                "it ends when the env is thawed or killed",
+                env_id=env_id,
+            )
         crun_log = _read_nonblocking(log_r)
         code = _decode_status(proc.returncode)
         stderr = bytes(buffers["stderr"])
@@ -687,8 +694,10 @@ class CrunRuntime(Runtime):
             await proc.wait()
             return
         proc.kill()
-        await proc.wait()
-        await trio.to_thread.run_sync(kill_exec_tree, proc.pid)
+        with trio.move_on_after(self.kill_grace_s):
+            await proc.wait()
+        # Still there: its cgroup is frozen (SIGKILL lands on thaw). Do not hang the caller.
+        await trio.to_thread.run_sync(partial(kill_exec_tree, proc.pid, spare_leader=False, deadline_s=0.1))
 
     async def kill(self, env_id: str, sig: int = signal.SIGKILL) -> None:
         await self._crun("kill", env_id, str(int(sig)), env_id=env_id)
