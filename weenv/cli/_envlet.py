@@ -27,17 +27,19 @@ def envlet() -> None:
               help="Seconds before a read whose data cannot be fetched fails with EIO.")
 @click.option("--readahead", "readahead_bytes", type=SIZE, default="4MiB", show_default=True,
               help="Read-ahead within a file on a cold read.")
+@click.option("--neighbors", "neighbor_bytes", type=SIZE, default="0", show_default=True,
+              help="Compressed bytes of following files fetched along with a cold read (0 disables).")
 @click.option("--metrics-port", type=int, default=None, help="Serve prometheus metrics on this port.")
 @click.option("--debug", is_flag=True, help="Verbose logs, FUSE debug output.")
 def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_size: int, control_socket: str,
-              state_file: str | None, deadline_s: float, readahead_bytes: int, metrics_port: int | None,
-              debug: bool) -> None:
+              state_file: str | None, deadline_s: float, readahead_bytes: int, neighbor_bytes: int,
+              metrics_port: int | None, debug: bool) -> None:
     """Mount the envlet and serve until SIGTERM."""
     from ..envlet import serve
 
     serve(mountpoint, cache_dir, cache_size_bytes=cache_size, memory_cache_size_bytes=memory_cache_size,
           control_socket=control_socket, state_file=state_file, deadline_s=deadline_s, metrics_port=metrics_port,
-          readahead_bytes=readahead_bytes, debug=debug)
+          readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, debug=debug)
 
 
 @envlet.command("ls")
@@ -58,6 +60,27 @@ def ls_cmd(control_socket: str, as_json: bool) -> None:
         return
     for info in layers:
         stdout.print(f"{info.name}  {info.digest}  refs={info.refcount}  {info.entries} entries  {human_bytes(info.size)}")
+
+
+@envlet.command("trace")
+@click.argument("name")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the list here (default: stdout).")
+@click.option("--clear", is_flag=True, help="Start a new trace after reading this one.")
+@click.option("--control-socket", default=_home.envlet_socket, show_default="$WEENV_HOME/run/envlet.sock")
+def trace_cmd(name: str, output: str | None, clear: bool, control_socket: str) -> None:
+    """Files of layer NAME in first-read order: pass it to `weenv layer build --prefetch-list`."""
+    from ..envlet import EnvletClient, EnvletError
+
+    try:
+        paths = EnvletClient(control_socket).trace(name, clear=clear)
+    except EnvletError as e:
+        raise click.ClickException(str(e)) from None
+    text = "".join(p + "\n" for p in paths)
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        click.echo(text, nl=False)
 
 
 @main.group()

@@ -58,7 +58,14 @@ class Ping(msgspec.Struct, tag="ping", forbid_unknown_fields=True):
     pass
 
 
-Request = Register | Unregister | ListLayers | Stats | Prune | Ping
+class Trace(msgspec.Struct, tag="trace", forbid_unknown_fields=True):
+    """The files of a layer in the order they were first read: a prefetch list for the next build."""
+
+    name: str
+    clear: bool = False
+
+
+Request = Register | Unregister | ListLayers | Stats | Prune | Ping | Trace
 
 
 class Reply(msgspec.Struct):
@@ -152,6 +159,9 @@ class EnvletClient:
 
     def prune(self, to_bytes: int) -> dict:
         return self._call(Prune(to_bytes))
+
+    def trace(self, name: str, *, clear: bool = False) -> list[str]:
+        return self._call(Trace(name, clear))
 
     def wait_ready(self, timeout_s: float = 10.0, *, pid: int | None = None) -> None:
         """Block until the envlet answers a ping (or its process ``pid`` exits, or the timeout passes)."""

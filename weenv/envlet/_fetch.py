@@ -72,8 +72,13 @@ class Fetcher:
     # ----------------------------------------------------------------- foreground
 
     async def get(self, src: LayerSource, chunks: Sequence[Chunk], path: str,
-                  readahead: Sequence[Chunk] = ()) -> list[bytes]:
-        """Verified bytes of ``chunks`` (in order). ``readahead`` chunks are fetched along if missing."""
+                  readahead: Sequence[Chunk] = (), neighbors: Sequence[Chunk] = ()) -> list[bytes]:
+        """Verified bytes of ``chunks`` (in order).
+
+        ``readahead`` (the rest of the file) is fetched along when a chunk misses and loaded in the
+        background otherwise; ``neighbors`` (chunks that follow in the blob, usually small files of the
+        same directory) only ride along with a remote fetch, which saves round trips at a small cost.
+        """
         results: list[bytes | None] = [None] * len(chunks)
         missing = []
         for i, c in enumerate(chunks):
@@ -112,7 +117,7 @@ class Fetcher:
                         claimed.append(c)
                         claimed_pos[c.digest] = [i]
                 if claimed:
-                    extra = [c for c in readahead if self._claimable(c)]
+                    extra = [c for c in (*readahead, *neighbors) if self._claimable(c)]
                     for c in extra:
                         self._inflight[c.digest] = _InFlight()
                     mine = {c.digest: self._inflight[c.digest] for c in claimed}

@@ -213,6 +213,7 @@ class EnvletFS(pyfuse3.Operations):
         with _errno(f"read layer {layer.name} {path}"):
             m = self.envlet.metrics
             m.inc("fuse_reads")
+            layer.note_read(i)
             cols = layer.tree.cols
             r = cols.chunk_range(i)
             if not r or size <= 0:
@@ -227,8 +228,17 @@ class EnvletFS(pyfuse3.Operations):
             chunks = [cols.chunk(r.start + k, prefix[k]) for k in range(k0, k1)]
             ra_end = bisect.bisect_left(prefix, min(file_size, end + self.envlet.readahead_bytes))
             readahead = [cols.chunk(r.start + k, prefix[k]) for k in range(k1, ra_end)]
+            neighbors = []
+            if ra_end == len(r):  # the rest of the file is covered: look past it, in blob order
+                budget = self.envlet.neighbor_bytes
+                k = r.stop
+                n_chunks = len(cols.chunk_offsets)
+                while k < n_chunks and budget > 0:
+                    neighbors.append(cols.chunk(k, 0))
+                    budget -= cols.chunk_lengths[k]
+                    k += 1
             try:
-                datas = await self.envlet.fetcher.get(layer.source, chunks, path, readahead)
+                datas = await self.envlet.fetcher.get(layer.source, chunks, path, readahead, neighbors)
             except (FetchError, ChunkIntegrityError):
                 m.inc("read_errors")
                 raise

@@ -18,7 +18,8 @@ class EnvletProcess:
 
     def __init__(self, mountpoint: str, cache_dir: str, control_socket: str, *, cache_size_bytes: int = 10 << 30,
                  memory_cache_size_bytes: int = 256 << 20, deadline_s: float = 30.0, state_file: str | None = None,
-                 log_path: str | None = None, readahead_bytes: int | None = None, metrics_port: int | None = None):
+                 log_path: str | None = None, readahead_bytes: int | None = None, neighbor_bytes: int | None = None,
+                 metrics_port: int | None = None):
         self.mountpoint = mountpoint
         self.cache_dir = cache_dir
         self.control_socket = control_socket
@@ -31,6 +32,8 @@ class EnvletProcess:
             self.args += ["--state-file", state_file]
         if readahead_bytes is not None:
             self.args += ["--readahead", str(readahead_bytes)]
+        if neighbor_bytes is not None:
+            self.args += ["--neighbors", str(neighbor_bytes)]
         if metrics_port:
             self.args += ["--metrics-port", str(metrics_port)]
         self.log_path = log_path or os.path.join(cache_dir, "envlet.log")

@@ -38,6 +38,7 @@ from ._control import (
     Reply,
     Stats,
     StoreSpec,
+    Trace,
     Unregister,
     _LEN,
     encoder,
@@ -66,6 +67,11 @@ class MountedLayer:
     source: LayerSource
     refcount: int = 1
     prefetched_bytes: int = 0
+    first_reads: dict[int, None] = field(default_factory=dict)  # entry indices in first-read order
+
+    def note_read(self, i: int) -> None:
+        if i not in self.first_reads and len(self.first_reads) < 1_000_000:
+            self.first_reads[i] = None
 
     def info(self, mountpoint: str) -> LayerInfo:
         return LayerInfo(self.name, os.path.join(mountpoint, self.name), self.digest, self.toc_digest, self.size,
@@ -117,12 +123,13 @@ class Envlet:
 
     def __init__(self, mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
                  control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
-                 readahead_bytes: int = 4 << 20, max_concurrent_fetches: int = 8):
+                 readahead_bytes: int = 4 << 20, neighbor_bytes: int = 0, max_concurrent_fetches: int = 8):
         self.mountpoint = os.path.abspath(mountpoint)
         self.cache_dir = os.path.abspath(cache_dir)
         self.control_socket = control_socket
         self.state_file = state_file or os.path.join(self.cache_dir, "envlet-state.json")
         self.readahead_bytes = readahead_bytes
+        self.neighbor_bytes = neighbor_bytes
         self.metrics = Metrics()
         self.l1 = MemoryCache(memory_cache_size_bytes, self.metrics)
         self.l2 = DiskCache(os.path.join(self.cache_dir, "l2"), cache_size_bytes, self.metrics)
@@ -308,6 +315,14 @@ class Envlet:
                 return Reply(True, [msgspec.to_builtins(m.info(self.mountpoint)) for m in self.by_name.values()])
             if isinstance(req, Stats):
                 return Reply(True, self.stats())
+            if isinstance(req, Trace):
+                m = self.by_name.get(req.name)
+                if m is None:
+                    raise KeyError(req.name)
+                paths = [m.tree.cols.paths[i] for i in m.first_reads]
+                if req.clear:
+                    m.first_reads.clear()
+                return Reply(True, paths)
             if isinstance(req, Prune):
                 files, freed = await trio.to_thread.run_sync(self.l2.prune, req.to_bytes)
                 self.l1.clear()
@@ -459,7 +474,8 @@ def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
 
 def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
           control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
-          metrics_port: int | None = None, readahead_bytes: int = 4 << 20, debug: bool = False) -> None:
+          metrics_port: int | None = None, readahead_bytes: int = 4 << 20, neighbor_bytes: int = 0,
+          debug: bool = False) -> None:
     """Mount and serve until SIGTERM/SIGINT; always unmounts."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
@@ -468,7 +484,8 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     clear_stale_mount(mountpoint)
     envlet = Envlet(mountpoint, cache_dir, cache_size_bytes=cache_size_bytes,
                     memory_cache_size_bytes=memory_cache_size_bytes, control_socket=control_socket,
-                    state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes)
+                    state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes,
+                    neighbor_bytes=neighbor_bytes)
     options = set(pyfuse3.default_options)
     options |= {"fsname=weenv-envlet", "subtype=weenv", "allow_other", "ro"}
     if debug:
