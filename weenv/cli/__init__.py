@@ -18,3 +18,4 @@ from . import _layer  # noqa: E402,F401
 from . import _plan  # noqa: E402,F401
 from . import _registry  # noqa: E402,F401
 from . import _envlet  # noqa: E402,F401
+from . import _env  # noqa: E402,F401

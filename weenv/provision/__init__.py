@@ -1,1 +1,68 @@
-"""weenv.provision"""
+"""Provisioning: plans composed into overlayfs rootfs run as isolated crun containers, sized by cgroups.
+
+The daemon (:mod:`._daemon`) ties together the env lifecycle (:mod:`._envs`), the crun runtime
+(:mod:`._runtime`), the cgroup backends (:mod:`.cgroups`) and the elastic monitor (:mod:`._monitor`).
+"""
+
+from ._daemon import Daemon as Daemon
+from ._daemon import DaemonConfig as DaemonConfig
+from ._daemon import serve as serve
+from ._envs import EnvManager as EnvManager
+from ._errors import AdmissionError as AdmissionError
+from ._errors import CgroupBusyError as CgroupBusyError
+from ._errors import CgroupError as CgroupError
+from ._errors import CgroupExistsError as CgroupExistsError
+from ._errors import CgroupNameError as CgroupNameError
+from ._errors import CgroupNotFoundError as CgroupNotFoundError
+from ._errors import CgroupUnavailableError as CgroupUnavailableError
+from ._errors import ContainerError as ContainerError
+from ._errors import ContainerExistsError as ContainerExistsError
+from ._errors import ContainerNotFoundError as ContainerNotFoundError
+from ._errors import EnvError as EnvError
+from ._errors import EnvFileError as EnvFileError
+from ._errors import EnvFileNotFoundError as EnvFileNotFoundError
+from ._errors import EnvFileTooLargeError as EnvFileTooLargeError
+from ._errors import EnvFileTypeError as EnvFileTypeError
+from ._errors import EnvNotFoundError as EnvNotFoundError
+from ._errors import EnvStartError as EnvStartError
+from ._errors import EnvStateError as EnvStateError
+from ._errors import HostError as HostError
+from ._errors import MountError as MountError
+from ._errors import ProvisionError as ProvisionError
+from ._errors import SpecError as SpecError
+from ._errors import UserNotFoundError as UserNotFoundError
+from ._files import FileInfo as FileInfo
+from ._files import RootFS as RootFS
+from ._files import resolve_user as resolve_user
+from ._hostcheck import HostFacts as HostFacts
+from ._hostcheck import detect_host as detect_host
+from ._monitor import EnvMetrics as EnvMetrics
+from ._monitor import Monitor as Monitor
+from ._monitor import MonitorStatistics as MonitorStatistics
+from ._ocispec import BindMount as BindMount
+from ._ocispec import User as User
+from ._ocispec import build_spec as build_spec
+from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
+from ._policy import Admission as Admission
+from ._policy import Decision as Decision
+from ._policy import EnvLimits as EnvLimits
+from ._policy import EnvQuotaState as EnvQuotaState
+from ._policy import NodeView as NodeView
+from ._policy import PolicyConfig as PolicyConfig
+from ._policy import admit as admit
+from ._policy import decide as decide
+from ._runtime import ContainerState as ContainerState
+from ._runtime import CrunRuntime as CrunRuntime
+from ._runtime import ExecResult as ExecResult
+from ._runtime import FakeRuntime as FakeRuntime
+from ._runtime import Runtime as Runtime
+from ._runtime import prepare_bundle as prepare_bundle
+from .cgroups import Cgroup as Cgroup
+from .cgroups import CgroupBackend as CgroupBackend
+from .cgroups import CgroupSample as CgroupSample
+from .cgroups import FakeBackend as FakeBackend
+from .cgroups import V1Backend as V1Backend
+from .cgroups import V2Backend as V2Backend
+from .cgroups import detect_backend as detect_backend
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -18,7 +18,13 @@
      │    ├── EnvFileNotFoundError    the path (or a parent) does not exist inside the rootfs
      │    ├── EnvFileTypeError        a directory where a file was expected, or a FIFO/device/socket
      │    └── EnvFileTooLargeError    a read above its byte limit
-     └── HostError                    this host lacks what the runtime needs (crun, an init, openat2...)
+     ├── HostError                    this host lacks what the runtime needs (crun, an init, openat2...)
+     ├── MountError                   an env's upper tmpfs or overlay could not be (un)mounted
+     └── EnvError                     a daemon env operation failed (names the env id)
+          ├── EnvNotFoundError        no env with that id
+          ├── EnvStateError           the env is not in the state the operation needs
+          ├── AdmissionError          the node cannot guarantee the env's minimum resources
+          └── EnvStartError           the env could not start; its partial setup was undone
 
 Every cgroup error carries ``group`` (the weenv group name) and ``path`` (the cgroupfs file or
 directory) when they are known, and names them in its message. Lower-level ``OSError`` is
@@ -128,3 +134,31 @@ class EnvFileTooLargeError(EnvFileError):
 class HostError(ProvisionError):
     """Raised when the host lacks something the runtime needs: the crun binary, a static init
     (catatonit), or a kernel feature; the message names it and the package that provides it."""
+
+
+class MountError(ProvisionError):
+    """Raised when an env's tmpfs or overlay cannot be mounted or unmounted; names the target."""
+
+
+class EnvError(ProvisionError):
+    """Raised by the daemon's env operations; names the env id."""
+
+    def __init__(self, message: str, *, env_id: str | None = None):
+        super().__init__(f"env {env_id}: {message}" if env_id else message)
+        self.env_id = env_id
+
+
+class EnvNotFoundError(EnvError, LookupError):
+    """Raised for an env id the daemon does not know (never created, or already gone)."""
+
+
+class EnvStateError(EnvError):
+    """Raised when an env is not in the state an operation needs (exec into a paused env, resume a running one)."""
+
+
+class AdmissionError(EnvError):
+    """Raised when the node cannot guarantee an env's minimum resources (nothing was started)."""
+
+
+class EnvStartError(EnvError):
+    """Raised when an env could not be started; everything it had set up was undone."""

@@ -1,0 +1,476 @@
+"""The Python client of the weenv daemon: sync (:class:`Client`) and async (:class:`AsyncClient`).
+
+Both talk HTTP to ``$WEENV_HOME/run/weenv.sock`` with httpx; the async client works under asyncio
+and trio. With ``autostart`` (the default) a missing daemon is started in the background.
+
+    with weenv.Client() as client, client.create("plan.lock") as env:
+        print(env.exec("echo hello").stdout)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from . import _home
+
+
+class WeenvError(Exception):
+    """Base of every error the client raises."""
+
+
+class DaemonUnavailableError(WeenvError):
+    """Raised when the daemon is not running (and could not be started) or does not answer."""
+
+
+class ApiError(WeenvError):
+    """Raised when the daemon answers with an error; ``status`` is the HTTP status, ``kind`` its error kind."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.detail = status, kind, message
+
+
+class EnvNotFoundError(ApiError, LookupError):
+    """Raised for an env id the daemon does not know."""
+
+
+class ExecResult(msgspec.Struct, frozen=True, kw_only=True):
+    """The outcome of one command. ``exit_code`` is 128+N for signal N (137 after a timeout)."""
+
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
+    duration_s: float = 0.0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    command_not_found: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def text(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+
+_exec_decoder = msgspec.json.Decoder(ExecResult)
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        err = resp.json()["error"]
+        kind, message = err.get("kind", "error"), err.get("message", resp.text)
+    except (ValueError, KeyError, TypeError):
+        kind, message = "error", resp.text or resp.reason_phrase
+    cls = EnvNotFoundError if kind == "env_not_found" else ApiError
+    raise cls(resp.status_code, kind, message)
+
+
+def _plan_body(plan_or_lock: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A create request: a path to a plan/lock file, a snapshot id, a dict, or a weenv.plan.Plan."""
+    from .plan import Plan, plan_to_builtins
+
+    body: dict[str, Any]
+    if isinstance(plan_or_lock, Plan):
+        body = {"plan": plan_to_builtins(plan_or_lock)}
+    elif isinstance(plan_or_lock, dict):
+        body = {"plan": plan_or_lock}
+    elif isinstance(plan_or_lock, (str, Path)):
+        s = str(plan_or_lock)
+        if isinstance(plan_or_lock, str) and s.startswith("snap-") and not os.path.exists(s):
+            body = {"snapshot": s}
+        else:
+            try:
+                text = Path(s).read_text(encoding="utf-8")
+            except OSError as e:
+                raise WeenvError(f"cannot read plan {s}: {e.strerror}") from None
+            fmt = "json" if s.endswith(".json") or text.lstrip().startswith("{") else "toml"
+            body = {"plan_text": text, "format": fmt, "source": s}
+    else:
+        raise TypeError(f"create() takes a plan path, a snapshot id, a dict or a Plan, not {type(plan_or_lock).__name__}")
+    clean = {k: v for k, v in overrides.items() if v is not None}
+    if clean:
+        body["overrides"] = clean
+    return body
+
+
+def _exec_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
+               stdin: bytes | str | None, timeout_s: float | None, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"argv": list(cmd)} if not isinstance(cmd, str) else {"cmd": cmd}
+    if env:
+        body["env"] = env
+    if cwd:
+        body["cwd"] = cwd
+    if user:
+        body["user"] = user
+    if stdin is not None:
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        body["stdin_b64"] = base64.b64encode(data).decode()
+    if timeout_s is not None:
+        body["timeout_s"] = timeout_s
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _stream_line(line: str, on_output: Callable[[str, bytes], Any] | None) -> ExecResult | None:
+    if not line.strip():
+        return None
+    msg = json.loads(line)
+    if "stream" in msg:
+        if on_output is not None:
+            on_output(msg["stream"], base64.b64decode(msg["data_b64"]))
+        return None
+    if "error" in msg:
+        err = msg["error"]
+        cls = EnvNotFoundError if err.get("kind") == "env_not_found" else ApiError
+        raise cls(err.get("status", 500), err.get("kind", "error"), err.get("message", ""))
+    return msgspec.convert(msg["result"], ExecResult)
+
+
+def start_daemon(socket_path: str, timeout_s: float = 30.0) -> None:
+    """Start ``weenv daemon`` in the background (own session, log in $WEENV_HOME) and wait for it."""
+    home = os.path.dirname(os.path.dirname(socket_path))
+    os.makedirs(home, exist_ok=True)
+    log = open(os.path.join(home, "daemon.log"), "ab")
+    try:
+        subprocess.Popen([sys.executable, "-m", "weenv", "daemon"], stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=log, start_new_session=True, env={**os.environ, "WEENV_HOME": home})
+    finally:
+        log.close()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), timeout=2.0) as c:
+                if c.get("http://weenv/v1/ping").status_code == 200:
+                    return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise DaemonUnavailableError(f"the weenv daemon did not start within {timeout_s:g} s (see {home}/daemon.log)")
+
+
+# ================================================================================ sync
+
+
+class Env:
+    """A running env (synchronous). Use it as a context manager to kill it on exit."""
+
+    def __init__(self, client: "Client", info: dict[str, Any]):
+        self.client = client
+        self.info = info
+        self.id: str = info["id"]
+
+    def __repr__(self) -> str:
+        return f"<weenv.Env {self.id}>"
+
+    def exec(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None, stdin: bytes | str | None = None, timeout_s: float | None = None,
+             on_output: Callable[[str, bytes], Any] | None = None) -> ExecResult:
+        """Run a command (a str runs via /bin/sh -c). ``on_output(stream, data)`` streams output as it comes."""
+        body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, on_output is not None)
+        url = f"/v1/envs/{self.id}/exec"
+        if on_output is None:
+            resp = self.client._request("POST", url, json=body)
+            return _exec_decoder.decode(resp.content)
+        with self.client._stream("POST", url, json=body) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for(resp)
+            for line in resp.iter_lines():
+                result = _stream_line(line, on_output)
+                if result is not None:
+                    return result
+        raise ApiError(500, "stream", "exec stream ended without a result")
+
+    def read_file(self, path: str, *, user: str | None = None) -> bytes:
+        return self.client._request("GET", f"/v1/envs/{self.id}/files",
+                                    params={"path": path, **({"user": user} if user else {})}).content
+
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        self.client._request("PUT", f"/v1/envs/{self.id}/files", content=content,
+                             params={"path": path, "mode": f"{mode:o}", **({"user": user} if user else {})})
+
+    def list_dir(self, path: str) -> list[dict[str, Any]]:
+        return self.client._request("GET", f"/v1/envs/{self.id}/files", params={"path": path, "op": "list"}).json()
+
+    def stat(self, path: str) -> dict[str, Any]:
+        return self.client._request("GET", f"/v1/envs/{self.id}/files", params={"path": path, "op": "stat"}).json()
+
+    def mkdir(self, path: str, *, mode: int = 0o755) -> None:
+        self.client._request("POST", f"/v1/envs/{self.id}/files/mkdir", params={"path": path, "mode": f"{mode:o}"})
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self.client._request("DELETE", f"/v1/envs/{self.id}/files",
+                             params={"path": path, "recursive": "1" if recursive else "0"})
+
+    def pause(self) -> None:
+        self.client._request("POST", f"/v1/envs/{self.id}/pause")
+
+    def resume(self) -> None:
+        self.client._request("POST", f"/v1/envs/{self.id}/resume")
+
+    def set_timeout(self, ttl_s: float | None) -> None:
+        self.client._request("POST", f"/v1/envs/{self.id}/ttl", json={"ttl_s": ttl_s})
+
+    def refresh(self) -> dict[str, Any]:
+        self.info = self.client._request("GET", f"/v1/envs/{self.id}").json()
+        return self.info
+
+    def commit(self, *, ref: str | None = None) -> str:
+        """Seal the env's filesystem into a snapshot; returns its id."""
+        return self.client._request("POST", f"/v1/envs/{self.id}/commit", json={"ref": ref}).json()["snapshot"]
+
+    def fork(self, n: int) -> list["Env"]:
+        """Commit once and start ``n`` independent children from that state."""
+        data = self.client._request("POST", f"/v1/envs/{self.id}/fork", json={"n": n}).json()
+        return [Env(self.client, info) for info in data["envs"]]
+
+    def kill(self) -> None:
+        try:
+            self.client._request("DELETE", f"/v1/envs/{self.id}")
+        except EnvNotFoundError:
+            pass
+
+    def __enter__(self) -> "Env":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+class Client:
+    """Synchronous client of the local weenv daemon."""
+
+    def __init__(self, socket_path: str | None = None, *, timeout_s: float = 300.0, autostart: bool = True):
+        self.socket_path = socket_path or _home.daemon_socket()
+        self.autostart = autostart
+        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket_path), base_url="http://weenv",
+                                  timeout=timeout_s)
+        self._started = False
+
+    def _ensure(self) -> None:
+        if self._started:
+            return
+        try:
+            self._http.get("/v1/ping", timeout=5.0)
+        except httpx.TransportError:
+            if not self.autostart:
+                raise DaemonUnavailableError(f"the weenv daemon is not running ({self.socket_path})") from None
+            start_daemon(self.socket_path)
+        self._started = True
+
+    def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        self._ensure()
+        try:
+            resp = self._http.request(method, url, **kw)
+        except httpx.TransportError as e:
+            raise DaemonUnavailableError(f"weenv daemon at {self.socket_path}: {e}") from None
+        _raise_for(resp)
+        return resp
+
+    def _stream(self, method: str, url: str, **kw: Any):  # type: ignore[no-untyped-def]
+        self._ensure()
+        return self._http.stream(method, url, **kw)
+
+    def ping(self) -> dict[str, Any]:
+        return self._request("GET", "/v1/ping").json()
+
+    def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
+               cpu: str | float | None = None, memory: str | int | None = None, env: dict[str, str] | None = None,
+               workdir: str | None = None, user: str | None = None) -> Env:
+        """Start an env from a plan or lock (path, dict or Plan) or a snapshot id."""
+        body = _plan_body(plan_or_lock, dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
+                                             memory=None if memory is None else str(memory), env=env, workdir=workdir,
+                                             user=user))
+        return Env(self, self._request("POST", "/v1/envs", json=body).json())
+
+    def get(self, env_id: str) -> Env:
+        return Env(self, self._request("GET", f"/v1/envs/{env_id}").json())
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/envs").json()
+
+    def gc(self) -> dict[str, Any]:
+        return self._request("POST", "/v1/gc").json()
+
+    def top(self) -> dict[str, Any]:
+        return self._request("GET", "/v1/top").json()
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/v1/snapshots").json()
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ================================================================================ async
+
+
+class AsyncEnv:
+    """A running env (async: asyncio or trio). ``async with`` kills it on exit."""
+
+    def __init__(self, client: "AsyncClient", info: dict[str, Any]):
+        self.client = client
+        self.info = info
+        self.id: str = info["id"]
+
+    def __repr__(self) -> str:
+        return f"<weenv.AsyncEnv {self.id}>"
+
+    async def exec(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+                   user: str | None = None, stdin: bytes | str | None = None, timeout_s: float | None = None,
+                   on_output: Callable[[str, bytes], Any] | None = None) -> ExecResult:
+        body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, on_output is not None)
+        url = f"/v1/envs/{self.id}/exec"
+        if on_output is None:
+            resp = await self.client._request("POST", url, json=body)
+            return _exec_decoder.decode(resp.content)
+        await self.client._ensure()
+        async with self.client._http.stream("POST", url, json=body) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _raise_for(resp)
+            async for line in resp.aiter_lines():
+                result = _stream_line(line, on_output)
+                if result is not None:
+                    return result
+        raise ApiError(500, "stream", "exec stream ended without a result")
+
+    async def read_file(self, path: str, *, user: str | None = None) -> bytes:
+        resp = await self.client._request("GET", f"/v1/envs/{self.id}/files",
+                                          params={"path": path, **({"user": user} if user else {})})
+        return resp.content
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        await self.client._request("PUT", f"/v1/envs/{self.id}/files", content=content,
+                                   params={"path": path, "mode": f"{mode:o}", **({"user": user} if user else {})})
+
+    async def list_dir(self, path: str) -> list[dict[str, Any]]:
+        return (await self.client._request("GET", f"/v1/envs/{self.id}/files", params={"path": path, "op": "list"})).json()
+
+    async def mkdir(self, path: str, *, mode: int = 0o755) -> None:
+        await self.client._request("POST", f"/v1/envs/{self.id}/files/mkdir", params={"path": path, "mode": f"{mode:o}"})
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self.client._request("DELETE", f"/v1/envs/{self.id}/files",
+                                   params={"path": path, "recursive": "1" if recursive else "0"})
+
+    async def pause(self) -> None:
+        await self.client._request("POST", f"/v1/envs/{self.id}/pause")
+
+    async def resume(self) -> None:
+        await self.client._request("POST", f"/v1/envs/{self.id}/resume")
+
+    async def set_timeout(self, ttl_s: float | None) -> None:
+        await self.client._request("POST", f"/v1/envs/{self.id}/ttl", json={"ttl_s": ttl_s})
+
+    async def commit(self, *, ref: str | None = None) -> str:
+        return (await self.client._request("POST", f"/v1/envs/{self.id}/commit", json={"ref": ref})).json()["snapshot"]
+
+    async def fork(self, n: int) -> list["AsyncEnv"]:
+        data = (await self.client._request("POST", f"/v1/envs/{self.id}/fork", json={"n": n})).json()
+        return [AsyncEnv(self.client, info) for info in data["envs"]]
+
+    async def kill(self) -> None:
+        try:
+            await self.client._request("DELETE", f"/v1/envs/{self.id}")
+        except EnvNotFoundError:
+            pass
+
+    async def __aenter__(self) -> "AsyncEnv":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()
+
+
+class AsyncClient:
+    """Async client of the local weenv daemon (httpx.AsyncClient: asyncio or trio)."""
+
+    def __init__(self, socket_path: str | None = None, *, timeout_s: float = 300.0, autostart: bool = True):
+        self.socket_path = socket_path or _home.daemon_socket()
+        self.autostart = autostart
+        self._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=self.socket_path),
+                                       base_url="http://weenv", timeout=timeout_s)
+        self._started = False
+
+    async def _ensure(self) -> None:
+        if self._started:
+            return
+        try:
+            await self._http.get("/v1/ping", timeout=5.0)
+        except httpx.TransportError:
+            if not self.autostart:
+                raise DaemonUnavailableError(f"the weenv daemon is not running ({self.socket_path})") from None
+            start_daemon(self.socket_path)  # blocking, once per client, only when the daemon is down
+        self._started = True
+
+    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        await self._ensure()
+        try:
+            resp = await self._http.request(method, url, **kw)
+        except httpx.TransportError as e:
+            raise DaemonUnavailableError(f"weenv daemon at {self.socket_path}: {e}") from None
+        _raise_for(resp)
+        return resp
+
+    async def ping(self) -> dict[str, Any]:
+        return (await self._request("GET", "/v1/ping")).json()
+
+    async def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
+                     cpu: str | float | None = None, memory: str | int | None = None,
+                     env: dict[str, str] | None = None, workdir: str | None = None, user: str | None = None) -> AsyncEnv:
+        body = _plan_body(plan_or_lock, dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
+                                             memory=None if memory is None else str(memory), env=env, workdir=workdir,
+                                             user=user))
+        return AsyncEnv(self, (await self._request("POST", "/v1/envs", json=body)).json())
+
+    async def get(self, env_id: str) -> AsyncEnv:
+        return AsyncEnv(self, (await self._request("GET", f"/v1/envs/{env_id}")).json())
+
+    async def list(self) -> list[dict[str, Any]]:
+        return (await self._request("GET", "/v1/envs")).json()
+
+    async def gc(self) -> dict[str, Any]:
+        return (await self._request("POST", "/v1/gc")).json()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def iter_envs(client: Client) -> Iterator[Env]:
+    for info in client.list():
+        yield Env(client, info)

@@ -1,0 +1,221 @@
+"""Env commands: daemon, up, exec, ps, pause, resume, kill, timeout, cp, gc, top."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import click
+
+from ._common import human_bytes, print_json, stdout
+from . import main
+
+
+def _client(autostart: bool = True):  # type: ignore[no-untyped-def]
+    from .._client import Client
+
+    return Client(autostart=autostart)
+
+
+def _api_errors(fn):  # type: ignore[no-untyped-def]
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from .._client import WeenvError
+
+        try:
+            return fn(*args, **kwargs)
+        except WeenvError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+@main.command("daemon")
+@click.option("--envlet-cache-size", default="20GiB", show_default=True, help="Bound of the node disk chunk cache.")
+@click.option("--monitor-interval-ms", type=int, default=200, show_default=True)
+@click.option("--debug", is_flag=True)
+def daemon_cmd(envlet_cache_size: str, monitor_interval_ms: int, debug: bool) -> None:
+    """Run the node daemon in the foreground (the CLI starts it when needed)."""
+    from ..provision import DaemonConfig, serve
+    from ._common import parse_size
+
+    serve(DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms),
+          debug=debug)
+
+
+@main.command("up")
+@click.argument("plan")
+@click.option("--name", help="Override the plan's name (env ids derive from it).")
+@click.option("--ttl", "ttl_s", type=float, help="Kill the env after this many seconds.")
+@click.option("--cpu", help="Cores: '0.5' or a range '0.25-2'.")
+@click.option("--memory", help="Bytes: '1GiB' or a range '512MiB-2GiB'.")
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def up_cmd(plan: str, name: str | None, ttl_s: float | None, cpu: str | None, memory: str | None,
+           as_json: bool) -> None:
+    """Start an env from PLAN: a plan, a lock or a snapshot id."""
+    t0 = time.perf_counter()
+    with _client() as c:
+        env = c.create(plan, name=name, ttl_s=ttl_s, cpu=cpu, memory=memory)
+    if as_json:
+        print_json(env.info)
+    else:
+        stdout.print(f"{env.id}  running  ({(time.perf_counter() - t0) * 1000:.0f} ms)")
+
+
+@main.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("env_id")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--timeout", "timeout_s", type=float, help="Kill the command (and all it started) after S seconds.")
+@click.option("-e", "--env", "env_vars", multiple=True, help="NAME=VALUE (repeatable).")
+@click.option("-w", "--workdir", help="Working directory inside the env.")
+@click.option("-u", "--user", help="User inside the env (name or uid[:gid]).")
+@click.option("-i", "--stdin", "with_stdin", is_flag=True, help="Send this command's stdin to the env command.")
+@click.option("--json", "as_json", is_flag=True, help="Print {exit_code, stdout, stderr, ...} instead of streaming.")
+@_api_errors
+def exec_cmd(env_id: str, cmd: tuple[str, ...], timeout_s: float | None, env_vars: tuple[str, ...],
+             workdir: str | None, user: str | None, with_stdin: bool, as_json: bool) -> None:
+    """Run CMD in ENV_ID (after --); the exit code is the command's."""
+    env: dict[str, str] = {}
+    for item in env_vars:
+        if "=" not in item:
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE", param_hint="--env")
+        k, v = item.split("=", 1)
+        env[k] = v
+    stdin = sys.stdin.buffer.read() if with_stdin else None
+    argv = list(cmd)
+    with _client() as c:
+        e = c.get(env_id)
+        if as_json:
+            r = e.exec(argv, env=env or None, cwd=workdir, user=user, stdin=stdin, timeout_s=timeout_s)
+            print_json({"exit_code": r.exit_code, "stdout": r.stdout.decode("utf-8", "replace"),
+                        "stderr": r.stderr.decode("utf-8", "replace"), "timed_out": r.timed_out,
+                        "duration_s": r.duration_s})
+        else:
+            def out(stream: str, data: bytes) -> None:
+                f = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+                f.write(data)
+                f.flush()
+
+            r = e.exec(argv, env=env or None, cwd=workdir, user=user, stdin=stdin, timeout_s=timeout_s, on_output=out)
+            if r.timed_out:
+                click.echo(f"weenv: command timed out after {timeout_s:g} s and was killed", err=True)
+    sys.exit(r.exit_code)
+
+
+@main.command("ps")
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def ps_cmd(as_json: bool) -> None:
+    """List envs with their current CPU and memory quotas."""
+    with _client() as c:
+        envs = c.list()
+    if as_json:
+        print_json(envs)
+        return
+    from rich.table import Table
+
+    t = Table(box=None)
+    for col in ("ID", "STATUS", "GROUPS", "CPU QUOTA", "MEMORY", "AGE"):
+        t.add_column(col)
+    now = time.time()
+    for e in envs:
+        res = e.get("resources") or {}
+        cpu = (res.get("cpu") or {}).get("quota_cores")
+        mem = res.get("memory") or {}
+        t.add_row(e["id"], e["status"], ",".join(g or "" for g in e.get("groups", [])),
+                  f"{cpu:.2f}" if cpu else "-",
+                  f"{human_bytes(mem.get('used_bytes') or 0)} / {human_bytes(mem['limit_bytes'])}"
+                  if mem.get("limit_bytes") else "-", f"{now - e['created_s']:.0f}s")
+    stdout.print(t)
+
+
+def _simple(name: str, past: str, help_text: str) -> None:
+    @main.command(name, help=help_text)
+    @click.argument("env_ids", nargs=-1, required=True)
+    @_api_errors
+    def cmd(env_ids: tuple[str, ...]) -> None:
+        with _client() as c:
+            for env_id in env_ids:
+                getattr(c.get(env_id), name)()
+                stdout.print(f"{env_id}  {past}")
+
+
+_simple("pause", "paused", "Freeze every process of the env (its memory stays).")
+_simple("resume", "resumed", "Thaw a paused env.")
+
+
+@main.command("kill")
+@click.argument("env_ids", nargs=-1, required=True)
+@_api_errors
+def kill_cmd(env_ids: tuple[str, ...]) -> None:
+    """Stop the env and remove everything it used."""
+    from .._client import EnvNotFoundError
+
+    with _client() as c:
+        for env_id in env_ids:
+            try:
+                c._request("DELETE", f"/v1/envs/{env_id}")
+            except EnvNotFoundError as e:
+                raise click.ClickException(str(e)) from None
+            stdout.print(f"{env_id}  killed")
+
+
+@main.command("timeout")
+@click.argument("env_id")
+@click.argument("seconds", type=float)
+@_api_errors
+def timeout_cmd(env_id: str, seconds: float) -> None:
+    """Reset ENV_ID's TTL: it is killed SECONDS from now (0 removes the TTL)."""
+    with _client() as c:
+        c.get(env_id).set_timeout(seconds if seconds > 0 else None)
+    stdout.print(f"{env_id}  ttl {seconds:g}s" if seconds > 0 else f"{env_id}  no ttl")
+
+
+@main.command("cp")
+@click.argument("src")
+@click.argument("dst")
+@_api_errors
+def cp_cmd(src: str, dst: str) -> None:
+    """Copy a file host↔env: `weenv cp ./a.txt ENV:/tmp/a.txt` or `weenv cp ENV:/etc/os-release .`."""
+    import os
+
+    def split(spec: str) -> tuple[str | None, str]:
+        if ":" in spec and not spec.startswith(("/", ".")):
+            env_id, path = spec.split(":", 1)
+            return env_id, path
+        return None, spec
+
+    (se, sp), (de, dp) = split(src), split(dst)
+    if (se is None) == (de is None):
+        raise click.UsageError("exactly one of SRC and DST must be ENV:PATH")
+    with _client() as c:
+        if se is not None:
+            data = c.get(se).read_file(sp)
+            if os.path.isdir(dp):
+                dp = os.path.join(dp, os.path.basename(sp))
+            with open(dp, "wb") as f:
+                f.write(data)
+        else:
+            with open(sp, "rb") as f:
+                data = f.read()
+            mode = os.stat(sp).st_mode & 0o777
+            c.get(de).write_file(dp, data, mode=mode)  # type: ignore[arg-type]
+    stdout.print(f"copied {human_bytes(len(data))}")
+
+
+@main.command("gc")
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def gc_cmd(as_json: bool) -> None:
+    """Remove mounts, cgroups, containers and directories left by envs that are gone (idempotent)."""
+    with _client() as c:
+        out = c.gc()
+    if as_json:
+        print_json(out)
+    else:
+        stdout.print(", ".join(f"{k}: {len(v)}" for k, v in out.items()))
+

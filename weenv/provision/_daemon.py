@@ -1,0 +1,338 @@
+"""``weenv daemon``: one per node. Supervises the envlet, runs the monitor, serves the HTTP API.
+
+Envs outlive the daemon: a restarted daemon re-adopts the envs whose container still runs and
+reaps the rest. The envlet is its own process (own session) for the same reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import msgspec
+import trio
+
+from .. import __version__, _home
+from ..envlet import EnvletClient, EnvletError, EnvletProcess
+from ..plan import PlanError, apply_overrides, load_any, plan_from_builtins
+from ._envs import EnvManager
+from ._errors import (
+    AdmissionError,
+    EnvFileError,
+    EnvFileNotFoundError,
+    EnvNotFoundError,
+    EnvStartError,
+    EnvStateError,
+    ProvisionError,
+    SpecError,
+)
+from ._http import HTTPError, Request, Response, Router, Server, StreamResponse, json_response
+from ._monitor import Monitor
+from ._runtime import CrunRuntime, ExecResult, Runtime
+from .cgroups import CgroupBackend, detect_backend
+
+log = logging.getLogger("weenv.daemon")
+_json = msgspec.json.Encoder()
+
+
+class DaemonConfig(msgspec.Struct, kw_only=True):
+    home: str = msgspec.field(default_factory=_home.home)
+    envlet_cache_size_bytes: int = 20 << 30
+    envlet_memory_cache_size_bytes: int = 512 << 20
+    envlet_deadline_s: float = 30.0
+    monitor_interval_ms: int = 200
+    envlet_check_interval_s: float = 2.0
+
+
+def _error(e: BaseException) -> HTTPError:
+    """Map an expected error to its HTTP answer (anything else is a 500 in the server)."""
+    from ..registry import RegistryError
+
+    if isinstance(e, EnvNotFoundError):
+        return HTTPError(404, "env_not_found", str(e))
+    if isinstance(e, EnvFileNotFoundError):
+        return HTTPError(404, "file_not_found", str(e))
+    if isinstance(e, EnvStateError):
+        return HTTPError(409, "wrong_state", str(e))
+    if isinstance(e, AdmissionError):
+        return HTTPError(503, "not_admitted", str(e))
+    if isinstance(e, (PlanError, SpecError)):
+        return HTTPError(400, "bad_plan", str(e))
+    if isinstance(e, EnvFileError):
+        return HTTPError(400, "file_error", str(e))
+    if isinstance(e, RegistryError):
+        return HTTPError(502, "registry", str(e))
+    if isinstance(e, EnvStartError):
+        return HTTPError(500, "start_failed", str(e))
+    if isinstance(e, (ProvisionError, EnvletError)):
+        return HTTPError(500, "failed", str(e))
+    raise e
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig | None = None, *, runtime: Runtime | None = None,
+                 backend: CgroupBackend | None = None):
+        self.config = config or DaemonConfig()
+        home = self.config.home
+        self.run_dir = os.path.join(home, "run")
+        self.socket_path = os.path.join(self.run_dir, "weenv.sock")
+        self.envs_dir = os.path.join(home, "envs")
+        os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
+        self.runtime = runtime or CrunRuntime(self.run_dir)
+        self.backend = backend or detect_backend()
+        self.monitor = Monitor(self.backend.node_memory, interval_ms=self.config.monitor_interval_ms,
+                               offload="apply")
+        self.envlet_socket = os.path.join(self.run_dir, "envlet.sock")
+        self.envlet = EnvletClient(self.envlet_socket)
+        self.manager = EnvManager(envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend,
+                                  monitor=self.monitor, envlet=self.envlet)
+        self.started_s = time.time()
+        self._nursery: trio.Nursery | None = None
+        self.router = Router()
+        self._routes()
+
+    # ------------------------------------------------------------------ envlet supervision
+
+    def _envlet_process(self) -> EnvletProcess:
+        c = self.config
+        return EnvletProcess(os.path.join(c.home, "envlet", "mnt"), os.path.join(c.home, "envlet", "cache"),
+                             self.envlet_socket, cache_size_bytes=c.envlet_cache_size_bytes,
+                             memory_cache_size_bytes=c.envlet_memory_cache_size_bytes,
+                             deadline_s=c.envlet_deadline_s)
+
+    def ensure_envlet(self) -> bool:
+        """Start the envlet unless one answers; True when it had to be started."""
+        try:
+            self.envlet.ping()
+            return False
+        except EnvletError:
+            pass
+        log.info("starting the envlet")
+        self._envlet_process().start()
+        return True
+
+    async def _supervise_envlet(self) -> None:
+        while True:
+            await trio.sleep(self.config.envlet_check_interval_s)
+            try:
+                started = await trio.to_thread.run_sync(self.ensure_envlet)
+            except EnvletError as e:
+                log.error("envlet is down and does not restart: %s", e)
+                continue
+            if started:
+                log.error("the envlet had died and was restarted: envs started before keep their overlay on the "
+                          "old mount and may see EIO on files they have not read yet")
+
+    # ------------------------------------------------------------------ main
+
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        await trio.to_thread.run_sync(self.ensure_envlet)
+        adoption = await self.manager.adopt()
+        server = Server(self.router.dispatch)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.monitor.run)
+            nursery.start_soon(self.manager.ttl_loop)
+            nursery.start_soon(self._supervise_envlet)
+            await nursery.start(server.serve_unix, self.socket_path)
+            log.info("weenv daemon %s serving %s (re-adopted %d envs)", __version__, self.socket_path,
+                     len(adoption["adopted"]))
+            task_status.started()
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    log.info("signal received: stopping (envs keep running)")
+                    nursery.cancel_scope.cancel()
+                    break
+
+    # ------------------------------------------------------------------ API
+
+    def _routes(self) -> None:
+        r = self.router
+        m = self.manager
+
+        async def call(coro: Any) -> Any:
+            try:
+                return await coro
+            except HTTPError:
+                raise
+            except Exception as e:
+                raise _error(e) from None
+
+        @r.route("GET", "/v1/ping")
+        async def ping(req: Request) -> Response:
+            return json_response({"pid": os.getpid(), "version": __version__, "envs": len(m.envs),
+                                  "uptime_s": time.time() - self.started_s})
+
+        @r.route("POST", "/v1/envs")
+        async def create(req: Request) -> Response:
+            body = req.json()
+            plan = await call(self._plan_from_request(body))
+            rec = await call(m.create(plan))
+            return json_response(rec.public(self.envs_dir), 201)
+
+        @r.route("GET", "/v1/envs")
+        async def ps(req: Request) -> Response:
+            top = self.monitor.snapshot().get("envs", {})
+            return json_response([{**rec.public(self.envs_dir), "resources": top.get(rec.id)}
+                                  for rec in m.envs.values()])
+
+        @r.route("GET", "/v1/envs/{id}")
+        async def show(req: Request) -> Response:
+            rec = await call(_sync(m.get, req.params["id"]))
+            top = self.monitor.snapshot().get("envs", {})
+            return json_response({**rec.public(self.envs_dir), "resources": top.get(rec.id)})
+
+        @r.route("DELETE", "/v1/envs/{id}")
+        async def kill(req: Request) -> Response:
+            await call(m.kill(req.params["id"]))
+            return json_response({"id": req.params["id"], "status": "killed"})
+
+        @r.route("POST", "/v1/envs/{id}/pause")
+        async def pause(req: Request) -> Response:
+            await call(m.pause(req.params["id"]))
+            return json_response({"id": req.params["id"], "status": "paused"})
+
+        @r.route("POST", "/v1/envs/{id}/resume")
+        async def resume(req: Request) -> Response:
+            await call(m.resume(req.params["id"]))
+            return json_response({"id": req.params["id"], "status": "running"})
+
+        @r.route("POST", "/v1/envs/{id}/ttl")
+        async def ttl(req: Request) -> Response:
+            ttl_s = req.json().get("ttl_s")
+            if ttl_s is not None and (not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
+                raise HTTPError(400, "bad_request", f"ttl_s must be a positive number or null, got {ttl_s!r}")
+            rec = await call(_sync(m.set_ttl, req.params["id"], ttl_s))
+            return json_response(rec.public(self.envs_dir))
+
+        @r.route("POST", "/v1/envs/{id}/exec")
+        async def exec_(req: Request) -> Response | StreamResponse:
+            body = req.json()
+            argv = body.get("argv")
+            if argv is None and isinstance(body.get("cmd"), str):
+                argv = ["/bin/sh", "-c", body["cmd"]]
+            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+                raise HTTPError(400, "bad_request", "exec needs 'argv' (a non-empty list of strings) or 'cmd' (a string)")
+            env = body.get("env") or None
+            if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                      for k, v in env.items())):
+                raise HTTPError(400, "bad_request", "'env' must map strings to strings")
+            stdin = base64.b64decode(body["stdin_b64"]) if body.get("stdin_b64") else None
+            kw = dict(env=env, cwd=body.get("cwd"), user=body.get("user"), stdin=stdin, timeout_s=body.get("timeout_s"))
+            env_id = req.params["id"]
+            await call(_sync(m._running, env_id))
+            if not body.get("stream"):
+                result: ExecResult = await call(m.exec(env_id, argv, **kw))
+                return Response(200, _json.encode(result))
+            return StreamResponse(self._exec_stream(env_id, argv, kw))
+
+        @r.route("GET", "/v1/envs/{id}/files")
+        async def files_get(req: Request) -> Response:
+            op = req.query.get("op", "read")
+            if op not in ("read", "list", "stat"):
+                raise HTTPError(400, "bad_request", f"op must be read, list or stat, got {op!r}")
+            out = await call(m.files(req.params["id"], op, _path(req), user=req.query.get("user") or None))
+            if op == "read":
+                return Response(200, out, "application/octet-stream")
+            return Response(200, _json.encode(out))
+
+        @r.route("PUT", "/v1/envs/{id}/files")
+        async def files_put(req: Request) -> Response:
+            mode = int(req.query.get("mode", "644"), 8)
+            await call(m.files(req.params["id"], "write", _path(req), data=req.body, mode=mode,
+                               user=req.query.get("user") or None))
+            return json_response({"path": _path(req), "size_bytes": len(req.body)})
+
+        @r.route("POST", "/v1/envs/{id}/files/mkdir")
+        async def files_mkdir(req: Request) -> Response:
+            mode = int(req.query.get("mode", "755"), 8)
+            await call(m.files(req.params["id"], "mkdir", _path(req), mode=mode, user=req.query.get("user") or None))
+            return json_response({"path": _path(req)})
+
+        @r.route("DELETE", "/v1/envs/{id}/files")
+        async def files_delete(req: Request) -> Response:
+            await call(m.files(req.params["id"], "remove", _path(req), recursive=req.query.get("recursive") == "1"))
+            return json_response({"path": _path(req)})
+
+        @r.route("POST", "/v1/gc")
+        async def gc(req: Request) -> Response:
+            return json_response(await call(m.gc()))
+
+        @r.route("GET", "/v1/top")
+        async def top(req: Request) -> Response:
+            return json_response({**self.monitor.snapshot(), "statistics": msgspec.to_builtins(self.monitor.statistics())})
+
+    async def _plan_from_request(self, body: dict[str, Any]) -> Any:
+        if "plan" in body:
+            if not isinstance(body["plan"], dict):
+                raise HTTPError(400, "bad_request", "'plan' must be a plan or lock object")
+            plan = plan_from_builtins(body["plan"])
+        elif "plan_text" in body:
+            plan = load_any(body["plan_text"], fmt=body.get("format", "toml"), source=body.get("source", "<request>"))
+        else:
+            raise HTTPError(400, "bad_request", "create needs 'plan' (an object) or 'plan_text'")
+        overrides = body.get("overrides") or {}
+        if overrides:
+            allowed = {"name", "ttl_s", "cpu", "memory", "env", "workdir", "user"}
+            unknown = set(overrides) - allowed
+            if unknown:
+                raise HTTPError(400, "bad_request", f"unknown overrides {sorted(unknown)}; allowed: {sorted(allowed)}")
+            plan = apply_overrides(plan, **overrides)
+        return plan
+
+    async def _exec_stream(self, env_id: str, argv: list[str], kw: dict[str, Any]):  # type: ignore[no-untyped-def]
+        send, recv = trio.open_memory_channel[bytes](256)
+
+        async def on_output(stream: str, data: bytes) -> None:
+            line = json.dumps({"stream": stream, "data_b64": base64.b64encode(data).decode()}) + "\n"
+            try:
+                await send.send(line.encode())
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client went away; the command runs on to its end or timeout
+
+        async def runner() -> None:
+            async with send:
+                try:
+                    result = await self.manager.exec(env_id, argv, on_output=on_output, **kw)
+                    final = {"result": msgspec.to_builtins(result)}
+                except Exception as e:
+                    try:
+                        err = _error(e)
+                        final = {"error": {"kind": err.kind, "message": err.message, "status": err.status}}
+                    except Exception:
+                        log.exception("exec stream failed")
+                        final = {"error": {"kind": "internal", "message": f"{type(e).__name__}: {e}", "status": 500}}
+                try:
+                    await send.send((json.dumps(final) + "\n").encode())
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+
+        assert self._nursery is not None
+        self._nursery.start_soon(runner)
+        async with recv:
+            async for chunk in recv:
+                yield chunk
+
+
+def _path(req: Request) -> str:
+    p = req.query.get("path")
+    if not p:
+        raise HTTPError(400, "bad_request", "missing ?path=")
+    return p
+
+
+async def _sync(fn, *args):  # type: ignore[no-untyped-def]
+    return fn(*args)
+
+
+def serve(config: DaemonConfig | None = None, *, debug: bool = False) -> None:
+    """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                        format="%(asctime)s weenvd[%(process)d] %(levelname)s %(name)s: %(message)s")
+    daemon = Daemon(config)
+    trio.run(daemon.run)

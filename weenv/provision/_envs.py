@@ -1,0 +1,449 @@
+"""The env lifecycle: plan lock → envlet layers → tmpfs upper + overlayfs → cgroup → crun.
+
+Every step of :meth:`EnvManager.create` is undone by :meth:`EnvManager._teardown` if a later step
+fails, and the same teardown serves kill, TTL expiry and gc: it is idempotent and tolerates any
+partial state, so nothing (mount, cgroup, process, layer reference, directory) outlives an env.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import msgspec
+import trio
+
+from .. import _home
+from ..envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
+from ..plan import Lock, LockedGroup, Plan, is_locked, lock_plan, plan_to_builtins
+from . import _mounts, _state
+from ._errors import (
+    AdmissionError,
+    CgroupError,
+    CgroupNotFoundError,
+    ContainerNotFoundError,
+    EnvNotFoundError,
+    EnvStartError,
+    EnvStateError,
+    ProvisionError,
+)
+from ._files import RootFS, resolve_user
+from ._monitor import Monitor
+from ._ocispec import ROOT_USER, BindMount, User
+from ._policy import EnvLimits
+from ._runtime import ExecResult, Runtime, prepare_bundle
+from ._state import EnvRecord
+from .cgroups import Cgroup, CgroupBackend
+
+log = logging.getLogger("weenv.daemon")
+
+OutputCallback = Callable[[str, bytes], Awaitable[None] | None]
+
+
+def env_limits(lock: Plan) -> EnvLimits:
+    r = lock.resources
+    return EnvLimits(cpu_min_cores=r.cpu.min, cpu_max_cores=r.cpu.max, memory_min_bytes=r.memory.min,
+                     memory_max_bytes=r.memory.max, pids_max=r.pids)
+
+
+def store_spec(group: LockedGroup) -> StoreSpec:
+    if group.registry is None:
+        return StoreSpec("layout", path=_home.store_dir())
+    from ..registry._group import insecure_by_default
+
+    return StoreSpec("registry", registry=group.registry, insecure=insecure_by_default(group.registry))
+
+
+def lock_for(plan: Plan) -> Lock:
+    """A lock for ``plan``: locks pass through (never resolving a tag), plans are resolved now."""
+    if is_locked(plan):
+        return plan  # type: ignore[return-value]
+    from ..registry import resolve_group
+
+    return lock_plan(plan, resolve_group)
+
+
+class EnvManager:
+    """All envs of this node. Methods are trio-async; blocking work runs in worker threads."""
+
+    def __init__(self, *, envs_dir: str, runtime: Runtime, backend: CgroupBackend, monitor: Monitor,
+                 envlet: EnvletClient):
+        self.envs_dir = envs_dir
+        self.runtime = runtime
+        self.backend = backend
+        self.monitor = monitor
+        self.envlet = envlet
+        self.envs: dict[str, EnvRecord] = {}
+        self.cgroups: dict[str, Cgroup] = {}
+        self._locks: dict[str, trio.Lock] = {}
+        self.pinned_layers: dict[str, int] = {}  # envlet references held by others than envs
+        os.makedirs(envs_dir, mode=0o700, exist_ok=True)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _lock(self, env_id: str) -> trio.Lock:
+        return self._locks.setdefault(env_id, trio.Lock())
+
+    def get(self, env_id: str) -> EnvRecord:
+        rec = self.envs.get(env_id)
+        if rec is None:
+            raise EnvNotFoundError("no such env", env_id=env_id)
+        return rec
+
+    def rootfs(self, env_id: str) -> str:
+        return _state.rootfs_path(self.envs_dir, env_id)
+
+    def _save(self, rec: EnvRecord) -> None:
+        _state.save(self.envs_dir, rec)
+
+    def lock_of(self, rec: EnvRecord) -> Lock:
+        return msgspec.convert(rec.lock, Lock)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ create
+
+    async def create(self, plan: Plan, *, snapshot: str | None = None, parent: str | None = None,
+                     extra_layers: Sequence[tuple[StoreSpec, str, int, str]] = ()) -> EnvRecord:
+        """Start an env for ``plan`` (a lock is used as is; a plan is locked first).
+
+        ``extra_layers`` (store, digest, size, toc_digest) go on top of the plan's groups: the
+        sealed layers of a snapshot.
+        """
+        lock = await trio.to_thread.run_sync(lock_for, plan)
+        limits = env_limits(lock)
+        admission = self.monitor.admit(limits)
+        if not admission:
+            raise AdmissionError(f"not admitted: {admission.reason}")
+        rec = EnvRecord(id=_state.new_env_id(lock.name), name=lock.name, lock=plan_to_builtins(lock),
+                        snapshot=snapshot, parent=parent)
+        if lock.ttl_s:
+            rec.expires_s = time.time() + lock.ttl_s
+        self.envs[rec.id] = rec
+        async with self._lock(rec.id):
+            self._save(rec)
+            try:
+                await self._start(rec, lock, limits, extra_layers)
+            except BaseException as e:
+                with trio.CancelScope(shield=True):
+                    log.warning("env %s failed to start (%s): undoing its setup", rec.id, e)
+                    await self._teardown(rec)
+                if isinstance(e, (ProvisionError, EnvletError)):
+                    raise EnvStartError(str(e), env_id=rec.id) from e
+                raise
+        log.info("env %s running (%d layers)", rec.id, len(rec.layers))
+        return rec
+
+    async def _start(self, rec: EnvRecord, lock: Lock, limits: EnvLimits,
+                     extra_layers: Sequence[tuple[StoreSpec, str, int, str]]) -> None:
+        layers: list[tuple[StoreSpec, str, int, str, str]] = [
+            (store_spec(g), g.layer_digest, g.layer_size, g.toc_digest, g.repo) for g in lock.groups
+        ] + [(spec, digest, size, toc, "") for spec, digest, size, toc in extra_layers]
+        paths: list[str | None] = [None] * len(layers)
+
+        async def register(i: int) -> None:
+            spec, digest, size, toc, repo = layers[i]
+            info = await trio.to_thread.run_sync(
+                lambda: self.envlet.register(spec, digest, size, toc, repo=repo))
+            rec.layers.append(info.name)  # recorded at once: teardown must release it even if others fail
+            paths[i] = info.path
+
+        async with trio.open_nursery() as n:
+            for i in range(len(layers)):
+                n.start_soon(register, i)
+        self._save(rec)
+        rw = _state.upper_mount(self.envs_dir, rec.id)
+        rootfs = _state.rootfs_path(self.envs_dir, rec.id)
+        lowers = [p for p in reversed(paths) if p]  # overlayfs wants the top layer first
+        if not lowers:
+            raise EnvStartError("the plan has no layer groups", env_id=rec.id)
+
+        def mounts() -> None:
+            _mounts.mount_upper(rw, lock.resources.disk)
+            _mounts.mount_overlay(rootfs, lowers, os.path.join(rw, "upper"), os.path.join(rw, "work"))
+
+        await trio.to_thread.run_sync(mounts)
+        cg = await trio.to_thread.run_sync(self.backend.create, rec.id)
+        rec.cgroup = rec.id
+        self.cgroups[rec.id] = cg
+        self.monitor.add(rec.id, cg, limits)  # mins in force before the first process starts
+        await trio.to_thread.run_sync(cg.set_pids, lock.resources.pids)
+        self._save(rec)
+
+        def bundle() -> dict[str, Any]:
+            user = resolve_user(rootfs, lock.user) if lock.user else ROOT_USER
+            return prepare_bundle(
+                _state.bundle_path(self.envs_dir, rec.id), env_id=rec.id, rootfs=rootfs,
+                host=getattr(self.runtime, "host", None), network=lock.network, args=lock.init, env=dict(lock.env),
+                cwd=lock.workdir or "/", user=user,
+                bind_mounts=[BindMount(source=m.source, destination=m.target) for m in lock.mounts],
+            )
+
+        spec = await trio.to_thread.run_sync(bundle)
+        rec.init_pid = await self.runtime.create(rec.id, _state.bundle_path(self.envs_dir, rec.id), rootfs, spec,
+                                                 cg.procs_paths())
+        await self.runtime.start(rec.id)
+        rec.status = "running"
+        self._save(rec)
+
+    # ------------------------------------------------------------------ teardown
+
+    async def _teardown(self, rec: EnvRecord) -> list[str]:
+        """Undo everything an env may have set up; idempotent. Returns the problems it hit (logged)."""
+        problems: list[str] = []
+        env_id = rec.id
+        rec.status = "stopping"
+        self.monitor.remove(env_id)
+        cg = self.cgroups.pop(env_id, None)
+        if cg is None and rec.cgroup:
+            try:
+                cg = await trio.to_thread.run_sync(self.backend.open, rec.cgroup)
+            except CgroupNotFoundError:
+                cg = None
+            except CgroupError as e:
+                problems.append(f"cgroup: {e}")
+        if cg is not None:
+            try:  # a frozen env cannot die: thaw first
+                if await trio.to_thread.run_sync(cg.is_frozen):
+                    await trio.to_thread.run_sync(cg.thaw)
+            except CgroupError as e:
+                problems.append(f"thaw: {e}")
+        try:
+            await self.runtime.delete(env_id, force=True)
+        except ContainerNotFoundError:
+            pass
+        except ProvisionError as e:
+            problems.append(f"runtime: {e}")
+        if cg is not None:
+            try:
+                await trio.to_thread.run_sync(cg.kill_all)
+                await trio.to_thread.run_sync(cg.remove)
+            except CgroupError as e:
+                problems.append(f"cgroup: {e}")
+
+        def unmount_all() -> None:
+            for m in _mounts.mounts_under(_state.env_dir(self.envs_dir, env_id)):
+                try:
+                    _mounts.unmount(m)
+                except ProvisionError as e:
+                    problems.append(str(e))
+
+        await trio.to_thread.run_sync(unmount_all)
+        for name in list(rec.layers):
+            try:
+                await trio.to_thread.run_sync(self.envlet.unregister, name)
+            except LayerNotFoundError:
+                pass
+            except EnvletError as e:
+                problems.append(f"envlet: {e}")
+                continue
+            rec.layers.remove(name)
+        if not problems:
+            await trio.to_thread.run_sync(
+                lambda: shutil.rmtree(_state.env_dir(self.envs_dir, env_id), ignore_errors=True))
+            self.envs.pop(env_id, None)
+            self._locks.pop(env_id, None)
+        else:
+            rec.status = "failed"
+            rec.error = "; ".join(problems)
+            self._save(rec)
+            log.error("env %s: teardown left problems: %s", env_id, rec.error)
+        return problems
+
+    async def kill(self, env_id: str) -> None:
+        rec = self.get(env_id)
+        async with self._lock(env_id):
+            if env_id not in self.envs:
+                return
+            problems = await self._teardown(rec)
+        if problems:
+            raise EnvStateError(f"killed, but cleanup is incomplete: {'; '.join(problems)} (run `weenv gc`)",
+                                env_id=env_id)
+        log.info("env %s killed", env_id)
+
+    # ------------------------------------------------------------------ operations
+
+    def _running(self, env_id: str) -> EnvRecord:
+        rec = self.get(env_id)
+        if rec.status == "paused":
+            raise EnvStateError("is paused (resume it first)", env_id=env_id)
+        if rec.status != "running":
+            raise EnvStateError(f"is {rec.status}", env_id=env_id)
+        return rec
+
+    async def exec(self, env_id: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
+                   cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
+                   timeout_s: float | None = None, on_output: OutputCallback | None = None) -> ExecResult:
+        self._running(env_id)
+        if not argv:
+            raise EnvStateError("empty command", env_id=env_id)
+        who: User | None = None
+        if user is not None:
+            who = await trio.to_thread.run_sync(resolve_user, self.rootfs(env_id), user)
+        cg = self.cgroups.get(env_id)
+        return await self.runtime.exec(env_id, argv, env=env, cwd=cwd, user=who, stdin=stdin, timeout_s=timeout_s,
+                                       cgroup_procs=cg.procs_paths() if cg is not None else (), on_output=on_output)
+
+    async def files(self, env_id: str, op: str, path: str, *, data: bytes = b"", mode: int = 0o644,
+                    user: str | None = None, recursive: bool = False, max_bytes: int | None = None) -> Any:
+        """read | write | list | stat | mkdir | remove, resolved inside the env's rootfs."""
+        rec = self.get(env_id)
+        if rec.status not in ("running", "paused"):
+            raise EnvStateError(f"is {rec.status}", env_id=env_id)
+        root = self.rootfs(env_id)
+
+        def run() -> Any:
+            who = resolve_user(root, user) if user else None
+            fs = RootFS(root, uid=who.uid if who else 0, gid=who.gid if who else 0)
+            try:
+                if op == "read":
+                    return fs.read(path, max_bytes=max_bytes) if max_bytes else fs.read(path)
+                if op == "write":
+                    fs.write(path, data, mode=mode, make_parents=True)
+                    return None
+                if op == "list":
+                    return fs.list(path)
+                if op == "stat":
+                    return fs.stat(path)
+                if op == "mkdir":
+                    fs.mkdir(path, parents=True, exist_ok=True, mode=mode if mode != 0o644 else 0o755)
+                    return None
+                if op == "remove":
+                    fs.remove(path, recursive=recursive)
+                    return None
+            finally:
+                fs.close()
+            raise ValueError(f"unknown file operation {op!r}")
+
+        return await trio.to_thread.run_sync(run)
+
+    async def pause(self, env_id: str) -> None:
+        async with self._lock(env_id):
+            rec = self._running(env_id)
+            await trio.to_thread.run_sync(self.cgroups[env_id].freeze)
+            rec.status = "paused"
+            self._save(rec)
+
+    async def resume(self, env_id: str) -> None:
+        async with self._lock(env_id):
+            rec = self.get(env_id)
+            if rec.status != "paused":
+                raise EnvStateError(f"is {rec.status}, not paused", env_id=env_id)
+            await trio.to_thread.run_sync(self.cgroups[env_id].thaw)
+            rec.status = "running"
+            self._save(rec)
+
+    def set_ttl(self, env_id: str, ttl_s: float | None) -> EnvRecord:
+        rec = self.get(env_id)
+        rec.expires_s = None if ttl_s is None else time.time() + ttl_s
+        self._save(rec)
+        return rec
+
+    async def ttl_loop(self, interval_s: float = 0.25) -> None:
+        while True:
+            now = time.time()
+            for rec in list(self.envs.values()):
+                if rec.expires_s is not None and rec.expires_s <= now and rec.status in ("running", "paused"):
+                    log.info("env %s: TTL expired, killing it", rec.id)
+                    try:
+                        await self.kill(rec.id)
+                    except ProvisionError as e:
+                        log.error("env %s: TTL kill: %s", rec.id, e)
+            await trio.sleep(interval_s)
+
+    # ------------------------------------------------------------------ restart and gc
+
+    async def adopt(self) -> dict[str, list[str]]:
+        """After a daemon restart: keep envs whose container still runs, tear down the rest."""
+        adopted, reaped = [], []
+        for env_id in sorted(os.listdir(self.envs_dir)):
+            rec = _state.load(self.envs_dir, env_id)
+            if rec is None:
+                rec = EnvRecord(id=env_id, name=env_id, status="failed", cgroup=env_id)
+            alive = False
+            if rec.status in ("running", "paused"):
+                try:
+                    st = await self.runtime.state(env_id)
+                    alive = st.status in ("running", "paused") and st.pid > 0
+                except ProvisionError:
+                    alive = False
+            if alive:
+                try:
+                    cg = await trio.to_thread.run_sync(self.backend.open, rec.cgroup or env_id)
+                    self.cgroups[env_id] = cg
+                    self.monitor.add(env_id, cg, env_limits(self.lock_of(rec)), adopt=True)
+                    if await trio.to_thread.run_sync(cg.is_frozen):
+                        rec.status = "paused"
+                    self.envs[env_id] = rec
+                    adopted.append(env_id)
+                    continue
+                except (CgroupError, ValueError) as e:
+                    log.warning("env %s: cannot re-adopt (%s); tearing it down", env_id, e)
+            self.envs[env_id] = rec
+            await self._teardown(rec)
+            reaped.append(env_id)
+        log.info("re-adopted %d envs, reaped %d", len(adopted), len(reaped))
+        return {"adopted": adopted, "reaped": reaped}
+
+    async def gc(self) -> dict[str, Any]:
+        """Remove whatever dead envs left behind: idempotent, safe to run at any time."""
+        out: dict[str, Any] = {"envs": [], "containers": [], "cgroups": [], "mounts": [], "dirs": [], "layers": []}
+        for rec in list(self.envs.values()):  # failed envs, and live ones whose container died
+            dead = rec.status in ("failed", "stopping")
+            if rec.status in ("running", "paused"):
+                try:
+                    st = await self.runtime.state(rec.id)
+                    dead = st.status not in ("running", "paused")
+                except ContainerNotFoundError:
+                    dead = True
+            if dead:
+                async with self._lock(rec.id):
+                    await self._teardown(rec)
+                out["envs"].append(rec.id)
+        live = set(self.envs)
+        for st in await self.runtime.list():
+            if st.id not in live:
+                await self.runtime.delete(st.id, force=True)
+                out["containers"].append(st.id)
+        for name in await trio.to_thread.run_sync(self.backend.list):
+            if name not in live:
+                try:
+                    cg = await trio.to_thread.run_sync(self.backend.open, name)
+                    await trio.to_thread.run_sync(cg.kill_all)
+                    await trio.to_thread.run_sync(cg.remove)
+                    out["cgroups"].append(name)
+                except CgroupError as e:
+                    log.warning("gc: cgroup %s: %s", name, e)
+        for m in _mounts.mounts_under(self.envs_dir):
+            env_id = os.path.relpath(m, self.envs_dir).split("/")[0]
+            if env_id not in live:
+                await trio.to_thread.run_sync(_mounts.unmount, m)
+                out["mounts"].append(m)
+        for env_id in os.listdir(self.envs_dir):
+            if env_id not in live:
+                await trio.to_thread.run_sync(
+                    lambda: shutil.rmtree(os.path.join(self.envs_dir, env_id), ignore_errors=True))
+                out["dirs"].append(env_id)
+        out["layers"] = await self._gc_layers()
+        return out
+
+    async def _gc_layers(self) -> list[str]:
+        """Drop envlet references that no live env holds (left by a daemon that died mid-teardown)."""
+        wanted: dict[str, int] = {}
+        for rec in self.envs.values():
+            for name in rec.layers:
+                wanted[name] = wanted.get(name, 0) + 1
+        released = []
+        try:
+            layers = await trio.to_thread.run_sync(self.envlet.list)
+        except EnvletError:
+            return []
+        for info in layers:
+            extra = info.refcount - wanted.get(info.name, 0) - self.pinned_layers.get(info.name, 0)
+            for _ in range(max(0, extra)):
+                await trio.to_thread.run_sync(self.envlet.unregister, info.name)
+                released.append(info.name)
+        return released
+

@@ -1,0 +1,81 @@
+"""What the daemon remembers about each env, persisted as ``$WEENV_HOME/envs/<id>/state.json``."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any, Literal
+
+import msgspec
+
+EnvStatus = Literal["creating", "running", "paused", "stopping", "failed"]
+STATE_FILE = "state.json"
+
+
+class EnvRecord(msgspec.Struct, kw_only=True):
+    """One env. ``lock`` is the plan lock it runs (JSON form), so a restarted daemon needs nothing else."""
+
+    id: str
+    name: str
+    status: EnvStatus = "creating"
+    created_s: float = msgspec.field(default_factory=time.time)
+    lock: dict[str, Any] = {}
+    layers: list[str] = []  # envlet layer names this env holds a reference on
+    init_pid: int = 0
+    cgroup: str | None = None
+    expires_s: float | None = None  # wall clock; None: no TTL
+    snapshot: str | None = None  # the snapshot it started from
+    parent: str | None = None  # the env it was forked from
+    error: str = ""
+
+    def public(self, envs_dir: str) -> dict[str, Any]:
+        """What ``ps`` / the API show."""
+        return {
+            "id": self.id, "name": self.name, "status": self.status, "created_s": self.created_s,
+            "expires_s": self.expires_s, "init_pid": self.init_pid, "snapshot": self.snapshot, "parent": self.parent,
+            "groups": [g.get("name") for g in self.lock.get("groups", [])], "rootfs": rootfs_path(envs_dir, self.id),
+            "error": self.error,
+        }
+
+
+def new_env_id(name: str) -> str:
+    """``<plan name>-<8 hex>``: short enough for a hostname, a cgroup and a crun container id."""
+    return f"{name[:40].rstrip('-') or 'env'}-{secrets.token_hex(4)}"
+
+
+def env_dir(envs_dir: str, env_id: str) -> str:
+    return os.path.join(envs_dir, env_id)
+
+
+def rootfs_path(envs_dir: str, env_id: str) -> str:
+    return os.path.join(envs_dir, env_id, "rootfs")
+
+
+def upper_mount(envs_dir: str, env_id: str) -> str:
+    return os.path.join(envs_dir, env_id, "rw")
+
+
+def bundle_path(envs_dir: str, env_id: str) -> str:
+    return os.path.join(envs_dir, env_id, "bundle")
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(EnvRecord)
+
+
+def save(envs_dir: str, rec: EnvRecord) -> None:
+    d = env_dir(envs_dir, rec.id)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    tmp = os.path.join(d, f".{STATE_FILE}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(_encoder.encode(rec))
+    os.replace(tmp, os.path.join(d, STATE_FILE))
+
+
+def load(envs_dir: str, env_id: str) -> EnvRecord | None:
+    try:
+        with open(os.path.join(env_dir(envs_dir, env_id), STATE_FILE), "rb") as f:
+            return _decoder.decode(f.read())
+    except (OSError, msgspec.DecodeError):
+        return None
