@@ -6,4 +6,5 @@ pytest_plugins = [
     "tests.fixtures_cgroups",
     "tests.fixtures_registry",
     "tests.fixtures_runtime",
+    "tests.fixtures_daemon",
 ]

@@ -36,14 +36,16 @@ def _api_errors(fn):  # type: ignore[no-untyped-def]
 @main.command("daemon")
 @click.option("--envlet-cache-size", default="20GiB", show_default=True, help="Bound of the node disk chunk cache.")
 @click.option("--monitor-interval-ms", type=int, default=200, show_default=True)
+@click.option("--cgroup-root", default="weenv", show_default=True,
+              help="Name of weenv's parent cgroup (created under this process's own cgroup).")
 @click.option("--debug", is_flag=True)
-def daemon_cmd(envlet_cache_size: str, monitor_interval_ms: int, debug: bool) -> None:
+def daemon_cmd(envlet_cache_size: str, monitor_interval_ms: int, cgroup_root: str, debug: bool) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed)."""
     from ..provision import DaemonConfig, serve
     from ._common import parse_size
 
-    serve(DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms),
-          debug=debug)
+    serve(DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms,
+                       cgroup_root=cgroup_root), debug=debug)
 
 
 @main.command("up")

@@ -47,6 +47,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     envlet_deadline_s: float = 30.0
     monitor_interval_ms: int = 200
     envlet_check_interval_s: float = 2.0
+    cgroup_root: str = "weenv"  # weenv's parent group, under this process's own cgroup
 
 
 def _error(e: BaseException) -> HTTPError:
@@ -84,7 +85,7 @@ class Daemon:
         self.envs_dir = os.path.join(home, "envs")
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
         self.runtime = runtime or CrunRuntime(self.run_dir)
-        self.backend = backend or detect_backend()
+        self.backend = backend or detect_backend(self.config.cgroup_root)
         self.monitor = Monitor(self.backend.node_memory, interval_ms=self.config.monitor_interval_ms,
                                offload="apply")
         self.envlet_socket = os.path.join(self.run_dir, "envlet.sock")

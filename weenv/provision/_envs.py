@@ -67,6 +67,19 @@ def lock_for(plan: Plan) -> Lock:
     return lock_plan(plan, resolve_group)
 
 
+class _Stopwatch:
+    """Records milliseconds since the previous mark under each name (create's timing breakdown)."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into = into
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = round((now - self.last) * 1000, 3)
+        self.last = now
+
+
 class EnvManager:
     """All envs of this node. Methods are trio-async; blocking work runs in worker threads."""
 
@@ -112,6 +125,7 @@ class EnvManager:
         ``extra_layers`` (store, digest, size, toc_digest) go on top of the plan's groups: the
         sealed layers of a snapshot.
         """
+        t0 = time.perf_counter()
         lock = await trio.to_thread.run_sync(lock_for, plan)
         limits = env_limits(lock)
         admission = self.monitor.admit(limits)
@@ -122,6 +136,7 @@ class EnvManager:
         if lock.ttl_s:
             rec.expires_s = time.time() + lock.ttl_s
         self.envs[rec.id] = rec
+        rec.timings_ms["lock"] = (time.perf_counter() - t0) * 1000
         async with self._lock(rec.id):
             self._save(rec)
             try:
@@ -150,10 +165,12 @@ class EnvManager:
             rec.layers.append(info.name)  # recorded at once: teardown must release it even if others fail
             paths[i] = info.path
 
+        mark = _Stopwatch(rec.timings_ms)
         async with trio.open_nursery() as n:
             for i in range(len(layers)):
                 n.start_soon(register, i)
-        self._save(rec)
+        self._save(rec)  # a daemon dying from here on must find the layer references to release
+        mark("layers")
         rw = _state.upper_mount(self.envs_dir, rec.id)
         rootfs = _state.rootfs_path(self.envs_dir, rec.id)
         lowers = [p for p in reversed(paths) if p]  # overlayfs wants the top layer first
@@ -165,12 +182,14 @@ class EnvManager:
             _mounts.mount_overlay(rootfs, lowers, os.path.join(rw, "upper"), os.path.join(rw, "work"))
 
         await trio.to_thread.run_sync(mounts)
+        mark("mounts")
         cg = await trio.to_thread.run_sync(self.backend.create, rec.id)
         rec.cgroup = rec.id
         self.cgroups[rec.id] = cg
         self.monitor.add(rec.id, cg, limits)  # mins in force before the first process starts
         await trio.to_thread.run_sync(cg.set_pids, lock.resources.pids)
         self._save(rec)
+        mark("cgroup")
 
         def bundle() -> dict[str, Any]:
             user = resolve_user(rootfs, lock.user) if lock.user else ROOT_USER
@@ -182,11 +201,15 @@ class EnvManager:
             )
 
         spec = await trio.to_thread.run_sync(bundle)
+        mark("bundle")
         rec.init_pid = await self.runtime.create(rec.id, _state.bundle_path(self.envs_dir, rec.id), rootfs, spec,
                                                  cg.procs_paths())
+        mark("crun_create")
         await self.runtime.start(rec.id)
+        mark("crun_start")
         rec.status = "running"
         self._save(rec)
+        mark("save")
 
     # ------------------------------------------------------------------ teardown
 

@@ -28,6 +28,7 @@ class EnvRecord(msgspec.Struct, kw_only=True):
     snapshot: str | None = None  # the snapshot it started from
     parent: str | None = None  # the env it was forked from
     error: str = ""
+    timings_ms: dict[str, float] = {}  # how long each step of create took
 
     def public(self, envs_dir: str) -> dict[str, Any]:
         """What ``ps`` / the API show."""
@@ -35,7 +36,7 @@ class EnvRecord(msgspec.Struct, kw_only=True):
             "id": self.id, "name": self.name, "status": self.status, "created_s": self.created_s,
             "expires_s": self.expires_s, "init_pid": self.init_pid, "snapshot": self.snapshot, "parent": self.parent,
             "groups": [g.get("name") for g in self.lock.get("groups", [])], "rootfs": rootfs_path(envs_dir, self.id),
-            "error": self.error,
+            "error": self.error, "timings_ms": self.timings_ms,
         }
 
 

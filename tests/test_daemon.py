@@ -1,0 +1,226 @@
+"""The daemon on real parts: lifecycle without leaks, concurrency, restart re-adoption, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import trio
+
+import weenv
+
+from .fixtures_daemon import leftovers, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def test_lifecycle_start_exec_files_pause_resume_kill_leaves_nothing(daemon):
+    with daemon.client() as c:
+        env = c.create(daemon.plan_lock)
+        assert env.info["status"] == "running"
+        r = env.exec(["sh", "-c", "echo out; echo err >&2; hostname; exit 7"])
+        assert (r.exit_code, r.stdout, r.stderr) == (7, b"out\n" + env.id.encode() + b"\n", b"err\n")
+        assert env.exec("cat", stdin=b"piped").stdout == b"piped"  # str cmd runs via sh -c
+        assert env.exec(["env"], env={"FOO": "bar"}).stdout.count(b"FOO=bar") == 1
+        assert env.exec(["pwd"], cwd="/tmp").stdout == b"/tmp\n"
+        assert env.exec(["id", "-u"], user="user").stdout == b"1000\n"
+        # files
+        env.write_file("/work/dir/a.txt", "hello\n")
+        assert env.read_file("/work/dir/a.txt") == b"hello\n"
+        assert env.exec(["cat", "/work/dir/a.txt"]).stdout == b"hello\n"
+        env.mkdir("/work/sub")
+        names = {e["name"] for e in env.list_dir("/work")}
+        assert names == {"dir", "sub"}
+        env.remove("/work", recursive=True)
+        with pytest.raises(weenv.ApiError) as ei:
+            env.read_file("/work/dir/a.txt")
+        assert ei.value.status == 404
+        # a symlink out of the rootfs resolves inside it
+        env.exec(["ln", "-s", "/../../../../etc/passwd", "/tmp/escape"])
+        assert env.read_file("/tmp/escape") == env.exec(["cat", "/etc/passwd"]).stdout != open("/etc/passwd", "rb").read()
+        # streaming output
+        seen = []
+        r = env.exec(["sh", "-c", "echo one; sleep 0.2; echo two"], on_output=lambda s, d: seen.append((s, d)))
+        assert r.exit_code == 0 and b"".join(d for s, d in seen if s == "stdout") == b"one\ntwo\n"
+        # pause / resume
+        env.pause()
+        assert c.get(env.id).info["status"] == "paused"
+        with pytest.raises(weenv.ApiError) as ei:
+            env.exec(["true"])
+        assert ei.value.status == 409 and "paused" in str(ei.value)
+        env.resume()
+        assert env.exec(["true"]).exit_code == 0
+        env.kill()
+        with pytest.raises(weenv.EnvNotFoundError):
+            c.get(env.id)
+        env.kill()  # idempotent
+        assert c.gc()["envs"] == []
+    assert leftovers(daemon) == []
+    assert not os.path.exists(os.path.join(daemon.home, "envs", env.id))
+
+
+def test_timeout_kills_the_whole_tree_and_missing_commands_are_clear(daemon):
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        t0 = time.monotonic()
+        r = env.exec(["sh", "-c", "sleep 100 & sleep 100; echo never"], timeout_s=1.0)
+        assert r.timed_out and r.exit_code == 137 and time.monotonic() - t0 < 10
+        assert env.exec(["sh", "-c", "ps -o comm | grep -c sleep"]).stdout.strip() == b"0"
+        r = env.exec(["no-such-command", "--flag"])
+        assert r.exit_code == 127 and r.command_not_found and b"no-such-command" in r.stderr
+
+
+def test_upper_dir_is_bounded_and_a_full_disk_only_fails_inside(daemon):
+    with daemon.client() as c, c.create(daemon.plan_lock) as env, c.create(daemon.plan_lock) as other:
+        r = env.exec(["sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=200 2>&1; echo rc=$?"], timeout_s=60)
+        assert b"No space left" in r.stdout
+        assert other.exec(["sh", "-c", "echo fine > /tmp/x && cat /tmp/x"]).stdout == b"fine\n"
+        env.exec(["rm", "/fill"])
+        assert env.exec(["sh", "-c", "echo again > /tmp/y && cat /tmp/y"]).stdout == b"again\n"
+
+
+def test_writes_never_reach_the_lower_layers_or_the_host(daemon):
+    with daemon.client() as c, c.create(daemon.plan_lock) as a, c.create(daemon.plan_lock) as b:
+        a.exec(["sh", "-c", "echo mine > /bin/ls-note; rm /bin/cat; echo x > /etc/passwd"])
+        assert b.exec(["cat", "/etc/passwd"]).stdout.startswith(b"root:")
+        assert b.exec(["ls", "/bin/cat"]).exit_code == 0
+        envlet_mnt = os.path.join(daemon.home, "envlet", "mnt")
+        for layer in os.listdir(envlet_mnt):
+            assert os.path.exists(os.path.join(envlet_mnt, layer, "bin", "cat"))
+            assert not os.path.exists(os.path.join(envlet_mnt, layer, "bin", "ls-note"))
+        r = a.exec(["sh", "-c", "ls /proc | grep -c '^[0-9]'"])
+        assert int(r.stdout) < 10  # its own pid namespace
+        assert b.exec(["cat", "/proc/net/route"]).stdout.count(b"\n") == 1  # network = none: no route at all
+        assert b.exec(["ls", "/sys/class/net"]).stdout.split() == [b"lo"]
+
+
+def test_concurrent_lifecycles_leave_no_leaks(daemon):
+    n, parallel = (200, 16) if os.environ.get("WEENV_FULL_TESTS", "1") == "1" else (32, 8)
+    failures: list[str] = []
+    times: list[float] = []
+
+    async def one(c: weenv.AsyncClient, i: int, limiter: trio.CapacityLimiter) -> None:
+        async with limiter:
+            t0 = time.perf_counter()
+            try:
+                env = await c.create(daemon.plan_lock)
+                try:
+                    r = await env.exec(["sh", "-c", f"echo {i}"])
+                    if r.stdout != f"{i}\n".encode():
+                        failures.append(f"{i}: wrong output {r.stdout!r}")
+                finally:
+                    await env.kill()
+            except Exception as e:  # noqa: BLE001 - collected and reported below
+                failures.append(f"{i}: {type(e).__name__}: {e}")
+            times.append(time.perf_counter() - t0)
+
+    async def main() -> None:
+        limiter = trio.CapacityLimiter(parallel)
+        async with daemon.async_client() as c:
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, c, i, limiter)
+
+    trio.run(main)
+    assert failures == []
+    with daemon.client() as c:
+        assert c.list() == []
+    assert leftovers(daemon) == []
+
+
+def test_async_client_under_asyncio(daemon):
+    async def main() -> bytes:
+        async with daemon.async_client() as c:
+            async with await c.create(daemon.plan_lock) as env:
+                await env.write_file("/tmp/f", b"async")
+                out = await env.exec(["cat", "/tmp/f"])
+                return out.stdout
+
+    assert asyncio.run(main()) == b"async"
+
+
+def test_ttl_expiry_kills_the_env_and_timeout_resets_it(daemon):
+    with daemon.client() as c:
+        env = c.create(daemon.plan_lock, ttl_s=1.0)
+        keep = c.create(daemon.plan_lock, ttl_s=1.0)
+        keep.set_timeout(60)
+        assert wait_for(lambda: env.id not in {e["id"] for e in c.list()}, timeout_s=10)
+        assert keep.id in {e["id"] for e in c.list()}
+        keep.kill()
+
+
+def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(daemon, tmp_path):
+    with daemon.client() as c:
+        bad = tmp_path / "bad.toml"
+        bad.write_text('name = "x"\n[[groups]]\nname = "os"\nref = ""\nclass = "os"\n')
+        with pytest.raises(weenv.ApiError) as ei:
+            c.create(str(bad))
+        assert ei.value.status == 400 and "groups[0].ref" in str(ei.value)
+        missing = tmp_path / "missing.toml"
+        missing.write_text('name = "x"\n[[groups]]\nname = "os"\nref = "nope:v1"\nclass = "os"\n')
+        with pytest.raises(weenv.ApiError) as ei:
+            c.create(str(missing))
+        assert "nope" in str(ei.value)
+        with pytest.raises(weenv.EnvNotFoundError):
+            c.get("no-such-env")
+        with pytest.raises(weenv.ApiError) as ei:
+            c.create(daemon.plan_lock, memory="64TiB")
+        assert ei.value.status == 503 and "memory" in str(ei.value)
+        with c.create(daemon.plan_lock) as env:
+            assert env.exec(["true"]).exit_code == 0
+    assert leftovers(daemon) == []
+
+
+def test_an_unlocked_plan_is_locked_by_the_daemon(daemon):
+    with daemon.client() as c, c.create(daemon.plan_toml) as env:
+        assert env.exec(["echo", "ok"]).stdout == b"ok\n"
+
+
+def test_daemon_sigkill_then_restart_readopts_live_envs(daemon):
+    with daemon.client() as c:
+        live = c.create(daemon.plan_lock)
+        live.exec(["sh", "-c", "echo kept > /tmp/state"])
+        paused = c.create(daemon.plan_lock)
+        paused.pause()
+    daemon.kill9()
+    daemon.start()
+    with daemon.client() as c:
+        ids = {e["id"]: e["status"] for e in c.list()}
+        assert ids == {live.id: "running", paused.id: "paused"}
+        env = c.get(live.id)
+        assert env.exec(["cat", "/tmp/state"]).stdout == b"kept\n"
+        c.get(paused.id).resume()
+        assert c.get(paused.id).exec(["true"]).exit_code == 0
+        top = c.top()
+        assert live.id in top["envs"]
+        env.kill()
+        c.get(paused.id).kill()
+    assert leftovers(daemon) == []
+
+
+def test_cli_up_exec_ps_kill(daemon):
+    env_vars = daemon.env_vars()
+
+    def weenv_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "weenv", *args], env=env_vars, capture_output=True, text=True,
+                              check=check, timeout=60)
+
+    info = json.loads(weenv_cli("up", daemon.plan_lock, "--json").stdout)
+    env_id = info["id"]
+    r = weenv_cli("exec", env_id, "--", "sh", "-c", "echo hi; exit 5", check=False)
+    assert r.returncode == 5 and r.stdout == "hi\n"
+    ps = json.loads(weenv_cli("ps", "--json").stdout)
+    assert [e["id"] for e in ps] == [env_id] and ps[0]["resources"]["cpu"]["quota_cores"] >= 0.05
+    src = os.path.join(daemon.home, "cp-src.txt")
+    with open(src, "w") as f:
+        f.write("copied\n")
+    weenv_cli("cp", src, f"{env_id}:/tmp/c.txt")
+    assert weenv_cli("exec", env_id, "--", "cat", "/tmp/c.txt").stdout == "copied\n"
+    weenv_cli("kill", env_id)
+    r = weenv_cli("exec", env_id, "--", "true", check=False)
+    assert r.returncode == 1 and "no such env" in r.stderr
