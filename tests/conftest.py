@@ -6,5 +6,6 @@ pytest_plugins = [
     "tests.fixtures_cgroups",
     "tests.fixtures_registry",
     "tests.fixtures_runtime",
+    "tests.fixtures_slime",
     "tests.fixtures_daemon",
 ]
