@@ -92,7 +92,7 @@ def _plan_body(plan_or_lock: Any, overrides: dict[str, Any]) -> dict[str, Any]:
         body = {"plan": plan_or_lock}
     elif isinstance(plan_or_lock, (str, Path)):
         s = str(plan_or_lock)
-        if isinstance(plan_or_lock, str) and s.startswith("snap-") and not os.path.exists(s):
+        if s.startswith("snap-") and not os.path.exists(s):
             body = {"snapshot": s}
         else:
             try:

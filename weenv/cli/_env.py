@@ -33,19 +33,58 @@ def _api_errors(fn):  # type: ignore[no-untyped-def]
     return wrapper
 
 
+from ._common import SIZE  # noqa: E402  (daemon flags)
+
+
 @main.command("daemon")
 @click.option("--envlet-cache-size", default="20GiB", show_default=True, help="Bound of the node disk chunk cache.")
-@click.option("--monitor-interval-ms", type=int, default=200, show_default=True)
 @click.option("--cgroup-root", default="weenv", show_default=True,
               help="Name of weenv's parent cgroup (created under this process's own cgroup).")
+@click.option("--monitor-interval-ms", type=click.IntRange(10, 60_000), default=200, show_default=True,
+              help="Elastic monitor tick.")
+@click.option("--monitor-offload", type=click.Choice(["apply", "all"]), default="apply", show_default=True,
+              help="What the monitor runs in a worker thread: quota writes only, or sampling too.")
+@click.option("--hold", "hold_s", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
+              help="Seconds a resource must stay under-used before each halving.")
+@click.option("--cpu-throttle-up", type=click.FloatRange(0, 1, min_open=True), default=0.30, show_default=True,
+              help="Double the CPU quota when this share of the CFS periods of a tick were throttled.")
+@click.option("--cpu-low", type=click.FloatRange(0, 1, min_open=True), default=0.25, show_default=True,
+              help="Halve the CPU quota when usage stays below this share of it.")
+@click.option("--memory-high-water", type=click.FloatRange(0, 1, min_open=True), default=0.80, show_default=True,
+              help="Double the memory limit when usage reaches this share of it.")
+@click.option("--memory-low-water", type=click.FloatRange(0, 1, min_open=True), default=0.25, show_default=True,
+              help="Halve the memory limit when usage stays below this share of it.")
+@click.option("--memory-pressure-up", type=click.FloatRange(0, 1, min_open=True), default=0.05, show_default=True,
+              help="Double the memory limit when PSI memory stalls grow by this share of the wall time.")
+@click.option("--memory-headroom", type=SIZE, default="64MiB", show_default=True,
+              help="A halved memory limit stays this far above usage.")
+@click.option("--node-reserve", type=SIZE, default="512MiB", show_default=True,
+              help="Node memory never handed to envs (daemon, envlet, kernel).")
+@click.option("--cpu-burst-budget", type=click.FloatRange(0), default=None,
+              help="Cores handed out above the mins at once [default: the node's cores].")
+@click.option("--cpu-min-overcommit", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Admission: the CPU mins may add up to the node's cores times this.")
 @click.option("--debug", is_flag=True)
-def daemon_cmd(envlet_cache_size: str, monitor_interval_ms: int, cgroup_root: str, debug: bool) -> None:
+def daemon_cmd(envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
+               hold_s: float, cpu_throttle_up: float, cpu_low: float, memory_high_water: float,
+               memory_low_water: float, memory_pressure_up: float, memory_headroom: int, node_reserve: int,
+               cpu_burst_budget: float | None, cpu_min_overcommit: float, debug: bool) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed)."""
     from ..provision import DaemonConfig, serve
+    from ..provision._policy import PolicyConfig
     from ._common import parse_size
 
+    if memory_low_water >= memory_high_water:
+        raise click.BadParameter(f"{memory_low_water:g} must be below --memory-high-water {memory_high_water:g}",
+                                 param_hint="--memory-low-water")
+    policy = PolicyConfig(
+        cpu_throttle_up_share=cpu_throttle_up, cpu_low_share=cpu_low, memory_high_water=memory_high_water,
+        memory_low_water=memory_low_water, memory_pressure_up_share=memory_pressure_up, hold_s=hold_s,
+        memory_headroom_bytes=memory_headroom, node_memory_reserve_bytes=node_reserve,
+        cpu_burst_budget_cores=cpu_burst_budget, cpu_min_overcommit=cpu_min_overcommit,
+    )
     serve(DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms,
-                       cgroup_root=cgroup_root), debug=debug)
+                       monitor_offload=monitor_offload, policy=policy, cgroup_root=cgroup_root), debug=debug)
 
 
 @main.command("up")
@@ -221,3 +260,81 @@ def gc_cmd(as_json: bool) -> None:
     else:
         stdout.print(", ".join(f"{k}: {len(v)}" for k, v in out.items()))
 
+
+
+@main.command("commit")
+@click.argument("env_id")
+@click.option("--ref", help="Also publish the sealed layer as a task group at REF.")
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def commit_cmd(env_id: str, ref: str | None, as_json: bool) -> None:
+    """Seal ENV_ID's filesystem into a snapshot (the env keeps running)."""
+    with _client() as c:
+        info = c._request("POST", f"/v1/envs/{env_id}/commit", json={"ref": ref}).json()
+    if as_json:
+        print_json(info)
+    else:
+        stdout.print(f"{info['snapshot']}  ({human_bytes(info['diff_bytes'])} of changes)")
+
+
+@main.command("fork")
+@click.argument("env_id")
+@click.option("-n", "n", type=click.IntRange(1, 1024), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def fork_cmd(env_id: str, n: int, as_json: bool) -> None:
+    """Commit ENV_ID once and start N independent children from that state."""
+    with _client() as c:
+        data = c._request("POST", f"/v1/envs/{env_id}/fork", json={"n": n}).json()
+    if as_json:
+        print_json([{"id": e["id"], **e} for e in data["envs"]])
+    else:
+        for e in data["envs"]:
+            stdout.print(e["id"])
+
+
+@main.group("snapshot")
+def snapshot_group() -> None:
+    """List and delete snapshots (made by commit, fork and build)."""
+
+
+@snapshot_group.command("ls")
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def snapshot_ls(as_json: bool) -> None:
+    with _client() as c:
+        snaps = c.snapshots()
+    if as_json:
+        print_json(snaps)
+        return
+    for s in snaps:
+        stdout.print(f"{s['id']}  from {s['source_env']}  {len(s['layers'])} layer(s)  "
+                     f"{human_bytes(s['diff_bytes'])}{'  ' + s['ref'] if s.get('ref') else ''}")
+
+
+@snapshot_group.command("rm")
+@click.argument("snapshot_ids", nargs=-1, required=True)
+@_api_errors
+def snapshot_rm(snapshot_ids: tuple[str, ...]) -> None:
+    with _client() as c:
+        for sid in snapshot_ids:
+            c.delete_snapshot(sid)
+            stdout.print(f"{sid}  removed")
+
+
+@main.command("build")
+@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
+@click.option("--ref", help="Publish the result here (default: GROUP:build in the embedded store).")
+@click.option("--lock-out", type=click.Path(dir_okay=False), help="Write the plan lock here (default: SPEC.lock.toml).")
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def build_cmd(spec: str, ref: str | None, lock_out: str | None, as_json: bool) -> None:
+    """Build a group from FROM + steps (RUN, COPY, ENV, WORKDIR, USER), with a step cache."""
+    from .._build import build
+
+    log = None if as_json else (lambda msg: stdout.print(msg))
+    result = build(spec, ref=ref, lock_out=lock_out, log=log)
+    if as_json:
+        print_json(result.to_json())
+    else:
+        stdout.print(f"published {result.ref} ({result.digest}); lock: {result.lock}")

@@ -29,13 +29,14 @@ class StoreSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     insecure: bool = False  # registry: plain http
 
 
-class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True):
+class Register(msgspec.Struct, tag="register", forbid_unknown_fields=True, omit_defaults=True):
     store: StoreSpec
     digest: str  # the layer blob's OCI digest
     size: int
     toc_digest: str  # pinned: the registration fails if the blob's TOC differs
     repo: str = ""
     prefetch: bool = True
+    warm: bool = False  # fetch every chunk into the disk cache now (a freshly committed local layer)
 
 
 class Unregister(msgspec.Struct, tag="unregister", forbid_unknown_fields=True):
@@ -145,8 +146,8 @@ class EnvletClient:
         return self._call(Ping(), timeout_s)
 
     def register(self, store: StoreSpec, digest: str, size: int, toc_digest: str, *, repo: str = "",
-                 prefetch: bool = True) -> LayerInfo:
-        return msgspec.convert(self._call(Register(store, digest, size, toc_digest, repo, prefetch)), LayerInfo)
+                 prefetch: bool = True, warm: bool = False) -> LayerInfo:
+        return msgspec.convert(self._call(Register(store, digest, size, toc_digest, repo, prefetch, warm)), LayerInfo)
 
     def unregister(self, name: str) -> None:
         self._call(Unregister(name))

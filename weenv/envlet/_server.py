@@ -206,6 +206,8 @@ class Envlet:
                     raise ValueError(f"layer {req.digest} is registered with TOC {existing.toc_digest}, not {req.toc_digest}")
                 existing.refcount += refcount
                 self._save_state()
+                if req.warm and self._nursery is not None:
+                    self._nursery.start_soon(self._prefetch, existing, True)
                 return existing
 
             def build() -> tuple[layerfmt.Layer, RandomAccessReader, LayerTree]:
@@ -222,13 +224,13 @@ class Envlet:
             self.by_slot[slot] = mounted
             self._save_state()
         log.info("registered layer %s (%s, %d entries)", name, req.digest, len(tree.cols))
-        if req.prefetch and layer.prefetch_end and self._nursery is not None:
-            self._nursery.start_soon(self._prefetch, mounted)
+        if self._nursery is not None and (req.warm or (req.prefetch and layer.prefetch_end)):
+            self._nursery.start_soon(self._prefetch, mounted, req.warm)
         return mounted
 
-    async def _prefetch(self, m: MountedLayer) -> None:
+    async def _prefetch(self, m: MountedLayer, everything: bool = False) -> None:
         cols = m.tree.cols
-        end = m.layer.prefetch_end
+        end = m.layer.footer.toc_offset if everything else m.layer.prefetch_end
         chunks = []
         k = 0
         offsets = cols.chunk_offsets

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import hashlib
 import os
 import tarfile
@@ -16,7 +17,7 @@ import zstandard
 
 from ._errors import LayerError, LayerInputError
 from ._io import Writer
-from ._source import SourceEntry, scan_directory, scan_tar
+from ._source import PathOpener, SourceEntry, SpoolOpener, iter_directory, scan_directory, scan_tar
 from ._tarheader import tar_header
 from ._toc import (
     DEFAULT_CHUNK_SIZE,
@@ -34,6 +35,7 @@ from ._toc import (
 )
 
 DEFAULT_LEVEL = 3
+_BATCH_BYTES = 4 << 20  # per worker task: big enough to amortize the hand-off, small enough to balance two cores
 
 
 @dataclass
@@ -51,28 +53,41 @@ class BuildResult:
     prefetch_missing: list[str] = field(default_factory=list)
 
 
-_HEADER, _CHUNK, _LANDMARK = 0, 1, 2
+class _Batch:
+    """Frames to be: their uncompressed bytes back to back in one buffer, and what each frame is.
+
+    One batch is one task for a worker: ``multi_compress_to_buffer`` compresses every segment as
+    its own frame (byte-identical to ``ZstdCompressor.compress``) and releases the GIL once for
+    the whole batch, so small files cost no per-file thread hand-offs.
+    """
+
+    __slots__ = ("buf", "view", "pos", "segments", "metas", "landmark", "whole")
+
+    def __init__(self, buf: bytearray):
+        self.buf = buf
+        self.view = memoryview(buf)
+        self.pos = 0
+        self.segments = array.array("Q")  # (offset, length) pairs in buf
+        self.metas: list[_Meta | None] = []  # per frame: a chunk, or None for a header frame
+        self.landmark = -1  # index of the frame the prefetch region ends before (-1: not in this batch)
+        self.whole: list[_WholeUpdate] = []  # slices of multi-chunk files, for their whole-file digests
 
 
-class _Item:
-    """One unit of work: a header frame, one chunk of a file, or the prefetch landmark."""
-
-    __slots__ = ("kind", "data", "source", "entry", "uoffset", "ulength", "last", "multi")
-
-    def __init__(self, kind: int, data: bytes = b"", source: SourceEntry | None = None, entry: Entry | None = None,
-                 uoffset: int = 0, ulength: int = 0, last: bool = False, multi: bool = False):
-        self.kind, self.data, self.source, self.entry = kind, data, source, entry
-        self.uoffset, self.ulength, self.last, self.multi = uoffset, ulength, last, multi
+_Meta = tuple[Entry, int, int, bool]  # entry, uoffset, ulength, is it the file's only chunk
+_WholeUpdate = tuple["hashlib._Hash", memoryview, "Entry | None"]  # hash, slice, entry when it is the last slice
+_Compressed = tuple[bytes, list[int], list]  # frames back to back, their lengths, chunk sha256s (None: header)
 
 
 class _Pipeline:
-    """Reads, hashes and compresses batches of items on worker threads; writes frames in order.
+    """Compresses batches on worker threads and writes their frames in order.
 
-    Batching amortizes the pool round trip over many small files; the calling thread only orders
-    entries, encodes tar headers and writes, so two cores keep two compressors busy.
+    The calling thread walks the entries, encodes tar headers, reads file contents straight into
+    batch buffers and writes finished frames. Workers hash each chunk and run zstd; a single
+    extra thread feeds multi-chunk files to their whole-file hashes, in order. Buffers are
+    recycled, so reading does not fault in fresh pages for every batch.
     """
 
-    def __init__(self, out: Writer, level: int, threads: int, max_pending_bytes: int, batch_bytes: int = 1 << 20):
+    def __init__(self, out: Writer, level: int, threads: int, max_pending_bytes: int, batch_bytes: int):
         self.out = out
         self.offset = 0
         self.prefetch_end = 0
@@ -80,93 +95,96 @@ class _Pipeline:
         self._level = level
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weenv-build") if threads > 1 else None
-        self._pending: deque[tuple[Future | list, list[_Item], int]] = deque()
+        self._hasher: ThreadPoolExecutor | None = None  # one thread: whole-file updates must stay in order
+        self._pending: deque[tuple[Future | _Compressed, Future | None, _Batch]] = deque()
         self._pending_bytes = 0
         self._max_pending = max_pending_bytes
-        self._batch: list[_Item] = []
-        self._batch_cost = 0
-        self._batch_limit = batch_bytes
-        self._whole: hashlib._Hash | None = None
+        self._batch_bytes = batch_bytes
+        self._free: list[bytearray] = []
+        self.batch: _Batch | None = None
 
-    def add(self, item: _Item) -> None:
-        self._batch.append(item)
-        self._batch_cost += item.ulength + len(item.data) + 4096  # small files still cost an open()
-        if self._batch_cost >= self._batch_limit or len(self._batch) >= 256:
+    def room(self, n: int) -> _Batch:
+        """The current batch, with at least ``n`` free bytes (submitting the full one first)."""
+        b = self.batch
+        if b is not None:
+            if len(b.buf) - b.pos >= n:
+                return b
             self.submit()
+        if n <= self._batch_bytes:
+            buf = self._free.pop() if self._free else bytearray(self._batch_bytes)
+        else:
+            buf = bytearray(n)
+        b = self.batch = _Batch(buf)
+        return b
+
+    def add_frame(self, data: bytes | bytearray) -> None:
+        """A frame whose bytes are at hand (tar headers)."""
+        n = len(data)
+        b = self.room(n)
+        pos = b.pos
+        b.view[pos : pos + n] = data
+        b.segments.append(pos)
+        b.segments.append(n)
+        b.metas.append(None)
+        b.pos = pos + n
+
+    def mark_landmark(self) -> None:
+        b = self.room(0)
+        b.landmark = len(b.metas)
 
     def submit(self) -> None:
-        if not self._batch:
+        b = self.batch
+        if b is None:
             return
-        batch, cost = self._batch, self._batch_cost
-        self._batch, self._batch_cost = [], 0
-        fut: Future | list = self._pool.submit(self._work, batch) if self._pool is not None else self._work(batch)
-        self._pending.append((fut, batch, cost))
-        self._pending_bytes += cost
-        while self._pending_bytes > self._max_pending or (self._pending and isinstance(self._pending[0][0], list)):
+        self.batch = None
+        if self._pool is None:
+            _update_whole(b.whole)
+            self._pending.append((self._compress(b), None, b))
+        else:
+            hashed = None
+            if b.whole:
+                if self._hasher is None:
+                    self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weenv-build-hash")
+                hashed = self._hasher.submit(_update_whole, b.whole)
+            self._pending.append((self._pool.submit(self._compress, b), hashed, b))
+        self._pending_bytes += b.pos
+        while self._pending and (self._pending_bytes > self._max_pending or _ready(self._pending[0])):
             self._drain_one()
 
-    def _compressor(self) -> zstandard.ZstdCompressor:
-        c = getattr(self._local, "c", None)
-        if c is None:
-            c = self._local.c = zstandard.ZstdCompressor(level=self._level, write_content_size=True)
-        return c
-
-    def _work(self, batch: list[_Item]) -> list[tuple[bytes, bytes, bytes | None]]:
-        comp = self._compressor()
-        out: list[tuple[bytes, bytes, bytes | None]] = []
-        f = None
-        f_source = None
-        try:
-            for it in batch:
-                if it.kind == _HEADER:
-                    out.append((comp.compress(it.data), b"", None))
-                elif it.kind == _CHUNK:
-                    src = it.source
-                    assert src is not None and src.opener is not None
-                    if f_source is not src:
-                        if f is not None:
-                            f.close()
-                        f, f_source = _open_source(src), src
-                        if it.uoffset:
-                            f.seek(it.uoffset)
-                    data = _read_full(f, it.ulength, src.path)
-                    if len(data) != it.ulength:
-                        raise LayerInputError(
-                            f"file shrank while building ({it.uoffset + len(data)} of {src.size} bytes)", path=src.path
-                        )
-                    if it.last and f.read(1):
-                        raise LayerInputError(f"file grew while building (beyond {src.size} bytes)", path=src.path)
-                    out.append((comp.compress(data), hashlib.sha256(data).digest(), data if it.multi else None))
-                else:
-                    out.append((b"", b"", None))
-        finally:
-            if f is not None:
-                f.close()
-        return out
+    def _compress(self, b: _Batch) -> _Compressed:
+        if not b.metas:
+            return b"", [], []
+        comp = getattr(self._local, "c", None)
+        if comp is None:
+            comp = self._local.c = zstandard.ZstdCompressor(level=self._level, write_content_size=True)
+        view, segs, sha256 = b.view, b.segments, hashlib.sha256
+        digests = [None if m is None else sha256(view[segs[2 * i] : segs[2 * i] + segs[2 * i + 1]]).digest()
+                   for i, m in enumerate(b.metas)]
+        frames = comp.multi_compress_to_buffer(zstandard.BufferWithSegments(b.buf, segs.tobytes()), threads=1)
+        return b"".join(frames), [len(f) for f in frames], digests
 
     def _drain_one(self) -> None:
-        fut, batch, cost = self._pending.popleft()
-        self._pending_bytes -= cost
-        results = fut if isinstance(fut, list) else fut.result()
-        for it, (frame, digest, data) in zip(batch, results):
-            if it.kind == _LANDMARK:
-                self.prefetch_end = self.offset
-                continue
-            start = self.offset
-            self.raw(frame)
-            if it.kind == _CHUNK:
-                e = it.entry
-                assert e is not None
-                e.chunks.append(Chunk(start, len(frame), it.uoffset, it.ulength, digest))
-                if not it.multi:
-                    e.digest = digest
-                    continue
-                if it.uoffset == 0:
-                    self._whole = hashlib.sha256()
-                assert self._whole is not None and data is not None
-                self._whole.update(data)
-                if it.last:
-                    e.digest = self._whole.digest()
+        work, hashed, b = self._pending.popleft()
+        self._pending_bytes -= b.pos
+        frames, lengths, digests = work.result() if isinstance(work, Future) else work
+        if hashed is not None:
+            hashed.result()
+        offset = self.offset
+        landmark = b.landmark
+        for i, (n, meta, digest) in enumerate(zip(lengths, b.metas, digests)):
+            if i == landmark:
+                self.prefetch_end = offset
+            if meta is not None:
+                entry, uoffset, ulength, only = meta
+                entry.chunks.append(Chunk(offset, n, uoffset, ulength, digest))
+                if only:
+                    entry.digest = digest
+            offset += n
+        if landmark == len(lengths):
+            self.prefetch_end = offset
+        self.raw(frames)
+        if len(b.buf) == self._batch_bytes:
+            self._free.append(b.buf)
 
     def flush(self) -> None:
         self.submit()
@@ -183,16 +201,88 @@ class _Pipeline:
         return "sha256:" + self._hash.hexdigest()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._pool, self._hasher):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _open_source(src: SourceEntry) -> BinaryIO:
-    assert src.opener is not None
+def _ready(pending: tuple[Future | _Compressed, Future | None, _Batch]) -> bool:
+    work, hashed, _ = pending
+    return (not isinstance(work, Future) or work.done()) and (hashed is None or hashed.done())
+
+
+def _update_whole(updates: list[_WholeUpdate]) -> None:
+    for whole, data, last in updates:
+        whole.update(data)
+        if last is not None:
+            last.digest = whole.digest()
+
+
+def _add_content(pipe: _Pipeline, src: SourceEntry, entry: Entry, size: int, chunk_size: int) -> None:
+    """Read every chunk of one regular file into batch buffers and queue it."""
+    opener = src.opener
+    fd = -1
+    file: BinaryIO | None = None
     try:
-        return src.opener()
+        if type(opener) is PathOpener:
+            fd = os.open(opener.path, os.O_RDONLY | os.O_CLOEXEC)
+        elif type(opener) is not SpoolOpener:
+            if opener is None:
+                raise LayerInputError("regular file without content", path=src.path)
+            file = opener()
     except OSError as err:
         raise LayerInputError(f"cannot read file: {err.strerror}", path=src.path) from None
+    try:
+        whole = hashlib.sha256() if size > chunk_size else None
+        for uoff in range(0, size, chunk_size):
+            n = min(chunk_size, size - uoff)
+            last = uoff + n == size
+            want = n + 1 if last else n  # one byte more tells that the file grew
+            b = pipe.room(want)
+            pos = b.pos
+            view = b.view[pos : pos + want]
+            try:
+                if fd >= 0:
+                    got = os.readv(fd, (view,))
+                    # a short read of a regular file is its end; only a shrunk file needs a second look
+                    while 0 < got < n:
+                        more = os.readv(fd, (view[got:],))
+                        if not more:
+                            break
+                        got += more
+                elif file is None:
+                    assert type(opener) is SpoolOpener
+                    got = os.preadv(opener.fd, (view[: min(want, opener.size - uoff)],), opener.offset + uoff)
+                else:
+                    got = _read_file(file, view)
+            except OSError as err:
+                raise LayerInputError(f"cannot read file: {err.strerror}", path=src.path) from None
+            if got < n:
+                raise LayerInputError(f"file shrank while building ({uoff + got} of {size} bytes)", path=src.path)
+            if got > n:
+                raise LayerInputError(f"file grew while building (beyond {size} bytes)", path=src.path)
+            if whole is not None:  # chunk digests are computed by the workers
+                b.whole.append((whole, view[:n], entry if last else None))
+            b.segments.append(pos)
+            b.segments.append(n)
+            b.metas.append((entry, uoff, n, whole is None))
+            b.pos = pos + n
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if file is not None:
+            file.close()
+
+
+def _read_file(f: BinaryIO, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        data = f.read(len(view) - got)
+        if not data:
+            break
+        view[got : got + len(data)] = data
+        got += len(data)
+    return got
 
 
 def _sort_key(path: str) -> tuple[str, ...]:
@@ -240,11 +330,32 @@ def build_entries(
     max_pending_bytes: int = 64 << 20,
 ) -> BuildResult:
     """Write the layer for ``entries`` to ``out``; the core that every other build entry point uses."""
+    _check_chunk_size(chunk_size)
+    ordered, n_prefetch, missing = _order(entries, prefetch)
+    return _build_ordered(ordered, n_prefetch, missing, out, chunk_size=chunk_size, level=level, threads=threads,
+                          max_pending_bytes=max_pending_bytes)
+
+
+def _check_chunk_size(chunk_size: int) -> None:
     if not 0 < chunk_size <= DEFAULT_LIMITS.max_chunk_bytes:
         raise LayerInputError(f"chunk size {chunk_size} outside (0, {DEFAULT_LIMITS.max_chunk_bytes}]")
-    ordered, n_prefetch, missing = _order(entries, prefetch)
+
+
+def _build_ordered(
+    ordered: Iterable[SourceEntry],
+    n_prefetch: int,
+    missing: list[str],
+    out: Writer,
+    *,
+    chunk_size: int,
+    level: int,
+    threads: int | None,
+    max_pending_bytes: int = 64 << 20,
+    batch_bytes: int = _BATCH_BYTES,
+) -> BuildResult:
+    """Write entries that are already in canonical order, the first ``n_prefetch`` of them the prefetch region."""
     threads = threads or min(os.cpu_count() or 1, 8)
-    pipe = _Pipeline(out, level, threads, max_pending_bytes)
+    pipe = _Pipeline(out, level, threads, max_pending_bytes, batch_bytes)
     toc_entries: list[Entry] = []
     holders: dict[object, str] = {}
     header = bytearray()
@@ -253,10 +364,10 @@ def build_entries(
         for idx, e in enumerate(ordered):
             if idx == n_prefetch and n_prefetch:
                 if header:
-                    pipe.add(_Item(_HEADER, bytes(header)))
+                    pipe.add_frame(header)
                     tar_bytes += len(header)
                     header.clear()
-                pipe.add(_Item(_LANDMARK))
+                pipe.mark_landmark()
             toc_type, link, size = e.type, e.link, e.size
             if e.link_key is not None:
                 holder = holders.get(e.link_key)
@@ -264,8 +375,8 @@ def build_entries(
                     holders[e.link_key] = e.path
                 else:
                     toc_type, link, size = "hardlink", holder, 0
-            entry = Entry(e.path, toc_type, e.mode, e.uid, e.gid, e.mtime, size=size, link=link,
-                          devmajor=e.devmajor, devminor=e.devminor, xattrs=dict(e.xattrs))
+            entry = Entry(e.path, toc_type, e.mode, e.uid, e.gid, e.mtime, size, link, e.devmajor, e.devminor,
+                          xattrs=dict(e.xattrs) if e.xattrs else {})
             toc_entries.append(entry)
             try:
                 header += tar_header("./" if e.path == "." else e.path, toc_type, e.mode, e.uid, e.gid, size,
@@ -278,25 +389,21 @@ def build_entries(
             if size == 0:
                 entry.digest = EMPTY_SHA256
                 continue
-            pipe.add(_Item(_HEADER, bytes(header)))
+            pipe.add_frame(header)
             tar_bytes += len(header)
             header.clear()
-            multi = size > chunk_size
-            for uoff in range(0, size, chunk_size):
-                n = min(chunk_size, size - uoff)
-                pipe.add(_Item(_CHUNK, source=e, entry=entry, uoffset=uoff, ulength=n,
-                               last=uoff + n == size, multi=multi))
+            _add_content(pipe, e, entry, size, chunk_size)
             content_bytes += size
             tar_bytes += size
-            header += b"\0" * (-size % 512)
-        if n_prefetch == len(ordered) and n_prefetch:
+            header += _ZEROS[: -size % 512]
+        if n_prefetch == len(toc_entries) and n_prefetch:
             if header:
-                pipe.add(_Item(_HEADER, bytes(header)))
+                pipe.add_frame(header)
                 tar_bytes += len(header)
                 header.clear()
-            pipe.add(_Item(_LANDMARK))
-        header += b"\0" * 1024  # end-of-archive marker
-        pipe.add(_Item(_HEADER, bytes(header)))
+            pipe.mark_landmark()
+        header += _ZEROS[:1024]  # end-of-archive marker
+        pipe.add_frame(header)
         tar_bytes += len(header)
         pipe.flush()
         toc = toc_from_entries(toc_entries, chunk_size, pipe.prefetch_end)
@@ -318,22 +425,7 @@ def build_entries(
     )
 
 
-def _read_full(f: BinaryIO, n: int, path: str) -> bytes:
-    try:
-        data = f.read(n)
-        if len(data) == n or not data:
-            return data
-        parts = [data]
-        got = len(data)
-        while got < n:
-            more = f.read(n - got)
-            if not more:
-                break
-            parts.append(more)
-            got += len(more)
-    except OSError as err:
-        raise LayerInputError(f"cannot read file: {err.strerror}", path=path) from None
-    return b"".join(parts)
+_ZEROS = bytes(1024)
 
 
 def build_layer(
@@ -352,6 +444,10 @@ def build_layer(
     kwargs = dict(chunk_size=chunk_size, prefetch=prefetch, level=level, threads=threads)
     if isinstance(src, (str, os.PathLike)):
         if os.path.isdir(src):
+            if not prefetch:  # the walk already yields canonical order: compress while walking
+                _check_chunk_size(chunk_size)
+                return _build_ordered(iter_directory(src, overlay_upper=overlay_upper), 0, [], out,
+                                      chunk_size=chunk_size, level=level, threads=threads)
             return build_entries(scan_directory(src, overlay_upper=overlay_upper), out, **kwargs)
         try:
             f = open(src, "rb")

@@ -11,7 +11,7 @@ import os
 import stat
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -69,10 +69,24 @@ def canonical_path(name: str, *, where: str) -> str:
 # --------------------------------------------------------------------------------------- directory
 
 
+class PathOpener:
+    """Opens a file on disk; the builder recognizes it and reads with ``os.open``/``os.readv`` instead."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self) -> BinaryIO:
+        return open(self.path, "rb", buffering=0)
+
+
 def _read_xattrs(path: str, rel: str) -> dict[str, bytes]:
     try:
         names = os.listxattr(path, follow_symlinks=False)
     except OSError:
+        return {}
+    if not names:
         return {}
     out = {}
     for name in sorted(names):
@@ -84,7 +98,15 @@ def _read_xattrs(path: str, rel: str) -> dict[str, bytes]:
 
 
 def scan_directory(root: str | os.PathLike[str], *, overlay_upper: bool = False) -> list[SourceEntry]:
-    """Describe the tree under ``root``.
+    """Describe the tree under ``root``, in canonical order (see :func:`iter_directory`)."""
+    return list(iter_directory(root, overlay_upper=overlay_upper))
+
+
+def iter_directory(root: str | os.PathLike[str], *, overlay_upper: bool = False) -> Iterator[SourceEntry]:
+    """Describe the tree under ``root`` lazily, depth-first with siblings sorted by name.
+
+    That is the builder's canonical order (``.`` first, then paths compared component by
+    component), so a build can start compressing before the walk ends.
 
     With ``overlay_upper`` the tree is an overlayfs upper directory: char 0:0 devices become OCI
     whiteouts and directories marked ``trusted.overlay.opaque=y`` get an opaque entry.
@@ -96,65 +118,92 @@ def scan_directory(root: str | os.PathLike[str], *, overlay_upper: bool = False)
         raise LayerInputError(f"cannot read build source: {e.strerror}", path=root) from None
     if not stat.S_ISDIR(st.st_mode):
         raise LayerInputError("build source is not a directory", path=root)
-    out: list[SourceEntry] = []
-    _scan_one(root, ".", st, out, overlay_upper)
-    stack = [(root, "")]
+    top = _describe(root, ".", st, overlay_upper)
+    assert top is not None
+    yield top[1]
+    # a stack of sibling iterators: the walk resumes a parent's listing when a child's ends
+    stack = [iter(_children(root, "", overlay_upper, top[1].mtime if top[3] else None))]
     while stack:
-        abs_dir, rel_dir = stack.pop()
+        for _name, entry, subdir, opaque in stack[-1]:
+            yield entry
+            if subdir is not None:
+                stack.append(iter(_children(subdir, entry.path + "/", overlay_upper, entry.mtime if opaque else None)))
+                break
+        else:
+            stack.pop()
+
+
+_Child = tuple[str, SourceEntry, "str | None", bool]  # sort name, entry, directory to descend into, opaque
+
+
+def _children(abs_dir: str, rel_dir: str, overlay_upper: bool, opaque_mtime: int | None) -> list[_Child]:
+    """The entries directly inside one directory, sorted by name (``opaque_mtime``: the dir is opaque)."""
+    out: list[_Child] = []
+    if opaque_mtime is not None:
+        out.append((OPAQUE_NAME, SourceEntry(rel_dir + OPAQUE_NAME, "opaque", 0, 0, 0, opaque_mtime), None, False))
+    try:
+        with os.scandir(abs_dir) as it:
+            listing = list(it)
+    except OSError as e:
+        raise LayerInputError(f"cannot list directory: {e.strerror}", path=rel_dir.rstrip("/") or ".") from None
+    for d in listing:
+        name = d.name
+        rel = rel_dir + name
         try:
-            with os.scandir(abs_dir) as it:
-                names = sorted(it, key=lambda d: d.name)
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise LayerInputError("file name is not valid UTF-8", path=os.fsencode(rel).decode("utf-8", "replace")) from None
+        try:
+            st = d.stat(follow_symlinks=False)
         except OSError as e:
-            raise LayerInputError(f"cannot list directory: {e.strerror}", path=rel_dir or ".") from None
-        subdirs = []
-        for d in names:
-            rel = f"{rel_dir}{d.name}"
-            try:
-                rel.encode("utf-8")
-            except UnicodeEncodeError:
-                raise LayerInputError("file name is not valid UTF-8", path=os.fsencode(rel).decode("utf-8", "replace")) from None
-            try:
-                st = d.stat(follow_symlinks=False)
-            except OSError as e:
-                raise LayerInputError(f"cannot stat: {e.strerror}", path=rel) from None
-            if _scan_one(d.path, rel, st, out, overlay_upper) and stat.S_ISDIR(st.st_mode):
-                subdirs.append((d.path, rel + "/"))
-        stack.extend(reversed(subdirs))
+            raise LayerInputError(f"cannot stat: {e.strerror}", path=rel) from None
+        child = _describe(d.path, rel, st, overlay_upper)
+        if child is not None:
+            out.append(child)
+    out.sort(key=_by_name)
     return out
 
 
-def _scan_one(abs_path: str, rel: str, st: os.stat_result, out: list[SourceEntry], overlay_upper: bool) -> bool:
+def _by_name(child: _Child) -> str:
+    return child[0]
+
+
+def _describe(abs_path: str, rel: str, st: os.stat_result, overlay_upper: bool) -> _Child | None:
     m = st.st_mode
-    base = dict(mode=stat.S_IMODE(m), uid=st.st_uid, gid=st.st_gid, mtime=int(st.st_mtime))
+    name = rel.rpartition("/")[2]
+    mtime = int(st.st_mtime)
     if overlay_upper and stat.S_ISCHR(m) and st.st_rdev == 0:
-        parent, _, name = rel.rpartition("/")
-        wpath = f"{parent}/{WHITEOUT_PREFIX}{name}" if parent else f"{WHITEOUT_PREFIX}{name}"
-        out.append(SourceEntry(wpath, "whiteout", mode=0, mtime=base["mtime"]))
-        return False
-    if rel != "." and rel.rpartition("/")[2].startswith(WHITEOUT_PREFIX):
+        parent = rel[: len(rel) - len(name)]
+        wname = WHITEOUT_PREFIX + name
+        return (wname, SourceEntry(parent + wname, "whiteout", 0, 0, 0, mtime), None, False)
+    if rel != "." and name.startswith(WHITEOUT_PREFIX):
         raise LayerInputError("names starting with .wh. are reserved for OCI whiteouts", path=rel)
-    xattrs = {k: v for k, v in _read_xattrs(abs_path, rel).items() if keep_xattr(k) or k == "trusted.overlay.opaque"}
-    opaque = overlay_upper and xattrs.pop("trusted.overlay.opaque", b"") == b"y"
-    xattrs.pop("trusted.overlay.opaque", None)
+    xattrs = _read_xattrs(abs_path, rel)
+    opaque = False
+    if xattrs:
+        xattrs = {k: v for k, v in xattrs.items() if keep_xattr(k) or k == "trusted.overlay.opaque"}
+        opaque = overlay_upper and xattrs.pop("trusted.overlay.opaque", b"") == b"y"
+        xattrs.pop("trusted.overlay.opaque", None)
+    mode, uid, gid = stat.S_IMODE(m), st.st_uid, st.st_gid
     link_key = (st.st_dev, st.st_ino) if st.st_nlink > 1 and not stat.S_ISDIR(m) else None
     if stat.S_ISREG(m):
-        out.append(SourceEntry(rel, "file", size=st.st_size, xattrs=xattrs, link_key=link_key,
-                               opener=lambda p=abs_path: open(p, "rb", buffering=0), **base))
+        e = SourceEntry(rel, "file", mode, uid, gid, mtime, st.st_size, "", 0, 0, xattrs, PathOpener(abs_path), link_key)
     elif stat.S_ISDIR(m):
-        out.append(SourceEntry(rel, "dir", xattrs=xattrs, **base))
-        if opaque:
-            out.append(SourceEntry(f"{rel}/{OPAQUE_NAME}" if rel != "." else OPAQUE_NAME, "opaque",
-                                   mode=0, mtime=base["mtime"]))
-        return True
+        return (name, SourceEntry(rel, "dir", mode, uid, gid, mtime, 0, "", 0, 0, xattrs), abs_path, opaque)
     elif stat.S_ISLNK(m):
-        out.append(SourceEntry(rel, "symlink", link=os.readlink(abs_path), xattrs=xattrs, link_key=link_key, **base))
+        try:
+            target = os.readlink(abs_path)
+        except OSError as err:
+            raise LayerInputError(f"cannot read symlink: {err.strerror}", path=rel) from None
+        e = SourceEntry(rel, "symlink", mode, uid, gid, mtime, 0, target, 0, 0, xattrs, None, link_key)
     elif stat.S_ISCHR(m) or stat.S_ISBLK(m):
-        out.append(SourceEntry(rel, "char" if stat.S_ISCHR(m) else "block", devmajor=os.major(st.st_rdev),
-                               devminor=os.minor(st.st_rdev), xattrs=xattrs, link_key=link_key, **base))
+        e = SourceEntry(rel, "char" if stat.S_ISCHR(m) else "block", mode, uid, gid, mtime, 0, "",
+                        os.major(st.st_rdev), os.minor(st.st_rdev), xattrs, None, link_key)
     elif stat.S_ISFIFO(m):
-        out.append(SourceEntry(rel, "fifo", xattrs=xattrs, link_key=link_key, **base))
-    # sockets cannot be archived, as with tar
-    return False
+        e = SourceEntry(rel, "fifo", mode, uid, gid, mtime, 0, "", 0, 0, xattrs, None, link_key)
+    else:
+        return None  # sockets cannot be archived, as with tar
+    return (name, e, None, False)
 
 
 # --------------------------------------------------------------------------------------- tar
@@ -183,6 +232,18 @@ class _SpoolSlice(io.RawIOBase):
         data = os.pread(self._fd, n, self._pos) if n > 0 else b""
         self._pos += len(data)
         return data
+
+
+class SpoolOpener:
+    """Opens a slice of the spool file; the builder recognizes it and reads with ``os.preadv`` instead."""
+
+    __slots__ = ("fd", "offset", "size")
+
+    def __init__(self, fd: int, offset: int, size: int):
+        self.fd, self.offset, self.size = fd, offset, size
+
+    def __call__(self) -> BinaryIO:
+        return _SpoolSlice(self.fd, self.offset, self.size)  # type: ignore[return-value]
 
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -243,7 +304,7 @@ def scan_tar(fileobj: BinaryIO, *, spool_dir: str | None = None) -> tuple[list[S
                     spool_pos += len(buf)
                     remaining -= len(buf)
                 e = SourceEntry(path, "file", size=ti.size, xattrs=xattrs,
-                                opener=lambda s=start, n=ti.size: _SpoolSlice(spool_fd, s, n), **base)
+                                opener=SpoolOpener(spool_fd, start, ti.size), **base)
             elif ti.isdir():
                 e = SourceEntry(path, "dir", xattrs=xattrs, **base)
             elif ti.issym():

@@ -7,7 +7,6 @@ Everything else goes through ``tarfile`` so long names, non-ASCII names and xatt
 
 from __future__ import annotations
 
-import struct
 import tarfile
 
 _TYPE_FLAGS = {
@@ -15,19 +14,14 @@ _TYPE_FLAGS = {
     "hardlink": tarfile.LNKTYPE, "char": tarfile.CHRTYPE, "block": tarfile.BLKTYPE,
     "fifo": tarfile.FIFOTYPE, "whiteout": tarfile.REGTYPE, "opaque": tarfile.REGTYPE,
 }
-_USTAR = struct.Struct("100s8s8s8s12s12s8s1s100s8s32s32s8s8s155s12x")
 _LIMIT_8 = 8**7
 _LIMIT_12 = 8**11
-_SPACES = b"        "
 _MAGIC = tarfile.POSIX_MAGIC  # b"ustar\x0000"
-
-
-def _o8(n: int) -> bytes:
-    return b"%07o\x00" % n
-
-
-def _o12(n: int) -> bytes:
-    return b"%011o\x00" % n
+_OWNER_NAMES = bytes(64)  # uname, gname: empty, numeric ids only
+_NO_DEVICE = bytes(16)
+_TAIL = bytes(155 + 12)  # prefix (unused: long names go to PAX) and block padding
+# Checksum of the constant bytes: the checksum field itself counts as 8 spaces, then the magic.
+_CONST_SUM = 8 * 32 + sum(_MAGIC)
 
 
 def tar_header(name: str, kind: str, mode: int, uid: int, gid: int, size: int, mtime: int, link: str = "",
@@ -36,15 +30,15 @@ def tar_header(name: str, kind: str, mode: int, uid: int, gid: int, size: int, m
     if kind == "dir" and not name.endswith("/"):
         name += "/"
     if (not xattrs and len(name) <= 100 and len(link) <= 100 and name.isascii() and link.isascii()
-            and 0 <= uid < _LIMIT_8 and 0 <= gid < _LIMIT_8 and 0 <= size < _LIMIT_12 and 0 <= mtime < _LIMIT_12):
-        block = bytearray(_USTAR.pack(
-            name.encode("ascii"), _o8(mode & 0o7777), _o8(uid), _o8(gid), _o12(size), _o12(mtime), _SPACES,
-            _TYPE_FLAGS[kind], link.encode("ascii"), _MAGIC, b"", b"",
-            *((_o8(devmajor), _o8(devminor)) if kind in ("char", "block") else (b"", b"")), b"",
-        ))
-        if devmajor < _LIMIT_8 and devminor < _LIMIT_8:
-            block[148:156] = b"%06o\x00 " % sum(block)
-            return bytes(block)
+            and 0 <= uid < _LIMIT_8 and 0 <= gid < _LIMIT_8 and 0 <= size < _LIMIT_12 and 0 <= mtime < _LIMIT_12
+            and devmajor < _LIMIT_8 and devminor < _LIMIT_8):
+        # one ustar block; the checksum sums only the bytes that vary instead of all 512
+        name_b, link_b, flag = name.encode("ascii"), link.encode("ascii"), _TYPE_FLAGS[kind]
+        numbers = b"%07o\x00%07o\x00%07o\x00%011o\x00%011o\x00" % (mode & 0o7777, uid, gid, size, mtime)
+        devices = b"%07o\x00%07o\x00" % (devmajor, devminor) if kind in ("char", "block") else _NO_DEVICE
+        checksum = _CONST_SUM + sum(name_b) + sum(numbers) + flag[0] + sum(link_b) + sum(devices)
+        return b"".join((name_b.ljust(100, b"\x00"), numbers, b"%06o\x00 " % checksum, flag,
+                         link_b.ljust(100, b"\x00"), _MAGIC, _OWNER_NAMES, devices, _TAIL))
     ti = tarfile.TarInfo(name)
     ti.type = _TYPE_FLAGS[kind]
     ti.mode, ti.uid, ti.gid, ti.size, ti.mtime = mode, uid, gid, size, mtime

@@ -4,6 +4,7 @@ The daemon (:mod:`._daemon`) ties together the env lifecycle (:mod:`._envs`), th
 (:mod:`._runtime`), the cgroup backends (:mod:`.cgroups`) and the elastic monitor (:mod:`._monitor`).
 """
 
+from ._criu import criu_status as criu_status
 from ._daemon import Daemon as Daemon
 from ._daemon import DaemonConfig as DaemonConfig
 from ._daemon import serve as serve

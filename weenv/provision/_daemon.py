@@ -19,7 +19,7 @@ import trio
 
 from .. import __version__, _home
 from ..envlet import EnvletClient, EnvletError, EnvletProcess
-from ..plan import PlanError, apply_overrides, load_any, plan_from_builtins
+from ..plan import Lock, Plan, PlanError, apply_overrides, load_any, plan_from_builtins
 from ._envs import EnvManager
 from ._errors import (
     AdmissionError,
@@ -32,8 +32,10 @@ from ._errors import (
     SpecError,
 )
 from ._http import HTTPError, Request, Response, Router, Server, StreamResponse, json_response
-from ._monitor import Monitor
+from ._monitor import PROMETHEUS_CONTENT_TYPE, Monitor
+from ._policy import PolicyConfig
 from ._runtime import CrunRuntime, ExecResult, Runtime
+from ._snapshots import SnapshotNotFoundError
 from .cgroups import CgroupBackend, detect_backend
 
 log = logging.getLogger("weenv.daemon")
@@ -46,6 +48,15 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     envlet_memory_cache_size_bytes: int = 512 << 20
     envlet_deadline_s: float = 30.0
     monitor_interval_ms: int = 200
+    monitor_offload: str = "apply"
+    """What the monitor runs in a worker thread: "apply" (writes only; counter reads do not block,
+    and the thread hop costs more CPU than they do, see benchmarks/monitor_overhead.py) or "all"."""
+    monitor_idle_memory_refresh_s: float = 1.0
+    """How stale an idle env's memory usage may get before the monitor re-reads it."""
+    monitor_cpu_cores: float | None = None
+    """Cores the monitor hands out (burst budget, CPU admission); None: the CPUs it may run on."""
+    policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    """Thresholds, hold time, node reserve, burst budget, admission overcommit (docs/elastic.md)."""
     envlet_check_interval_s: float = 2.0
     cgroup_root: str = "weenv"  # weenv's parent group, under this process's own cgroup
 
@@ -56,6 +67,8 @@ def _error(e: BaseException) -> HTTPError:
 
     if isinstance(e, EnvNotFoundError):
         return HTTPError(404, "env_not_found", str(e))
+    if isinstance(e, SnapshotNotFoundError):
+        return HTTPError(404, "snapshot_not_found", str(e))
     if isinstance(e, EnvFileNotFoundError):
         return HTTPError(404, "file_not_found", str(e))
     if isinstance(e, EnvStateError):
@@ -86,8 +99,10 @@ class Daemon:
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
         self.runtime = runtime or CrunRuntime(self.run_dir)
         self.backend = backend or detect_backend(self.config.cgroup_root)
-        self.monitor = Monitor(self.backend.node_memory, interval_ms=self.config.monitor_interval_ms,
-                               offload="apply")
+        c = self.config
+        self.monitor = Monitor(self.backend.node_memory, interval_ms=c.monitor_interval_ms, cfg=c.policy,
+                               cpu_cores=c.monitor_cpu_cores, offload=c.monitor_offload,
+                               idle_memory_refresh_s=c.monitor_idle_memory_refresh_s)
         self.envlet_socket = os.path.join(self.run_dir, "envlet.sock")
         self.envlet = EnvletClient(self.envlet_socket)
         self.manager = EnvManager(envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend,
@@ -172,9 +187,43 @@ class Daemon:
         @r.route("POST", "/v1/envs")
         async def create(req: Request) -> Response:
             body = req.json()
-            plan = await call(self._plan_from_request(body))
-            rec = await call(m.create(plan))
+            if "snapshot" in body:
+                overrides = body.get("overrides") or {}
+                if not isinstance(body["snapshot"], str) or not isinstance(overrides, dict):
+                    raise HTTPError(400, "bad_request", "'snapshot' must be a snapshot id and 'overrides' an object")
+                rec = await call(m.create_from_snapshot(body["snapshot"], **overrides))
+            else:
+                plan = await call(self._plan_from_request(body))
+                rec = await call(m.create(plan))
             return json_response(rec.public(self.envs_dir), 201)
+
+        @r.route("POST", "/v1/envs/{id}/commit")
+        async def commit(req: Request) -> Response:
+            ref = req.json().get("ref")
+            snap = await call(m.commit(req.params["id"], ref=ref))
+            return json_response({"snapshot": snap.id, **snap.public()}, 201)
+
+        @r.route("POST", "/v1/envs/{id}/fork")
+        async def fork(req: Request) -> Response:
+            n = req.json().get("n", 1)
+            if not isinstance(n, int) or isinstance(n, bool):
+                raise HTTPError(400, "bad_request", f"'n' must be an integer, got {n!r}")
+            snap, children = await call(m.fork(req.params["id"], n))
+            return json_response({"snapshot": snap.id, "envs": [c.public(self.envs_dir) for c in children]}, 201)
+
+        @r.route("GET", "/v1/snapshots")
+        async def snapshots(req: Request) -> Response:
+            return json_response([s.public() for s in m.snapshots.list()])
+
+        @r.route("GET", "/v1/snapshots/{id}")
+        async def snapshot(req: Request) -> Response:
+            rec = await call(_sync(m.snapshots.get, req.params["id"]))
+            return json_response({**rec.public(), "lock": rec.lock})
+
+        @r.route("DELETE", "/v1/snapshots/{id}")
+        async def snapshot_rm(req: Request) -> Response:
+            removed = await call(_sync(m.delete_snapshot, req.params["id"]))
+            return json_response({"id": req.params["id"], "removed_blobs": removed})
 
         @r.route("GET", "/v1/envs")
         async def ps(req: Request) -> Response:
@@ -268,11 +317,16 @@ class Daemon:
         async def top(req: Request) -> Response:
             return json_response({**self.monitor.snapshot(), "statistics": msgspec.to_builtins(self.monitor.statistics())})
 
+        @r.route("GET", "/v1/metrics")
+        async def metrics(req: Request) -> Response:
+            return Response(200, self.monitor.prometheus_text(), PROMETHEUS_CONTENT_TYPE)
+
     async def _plan_from_request(self, body: dict[str, Any]) -> Any:
         if "plan" in body:
             if not isinstance(body["plan"], dict):
                 raise HTTPError(400, "bad_request", "'plan' must be a plan or lock object")
-            plan = plan_from_builtins(body["plan"])
+            cls = Lock if "lock_version" in body["plan"] else Plan
+            plan = plan_from_builtins(body["plan"], cls, source="<request plan>")
         elif "plan_text" in body:
             plan = load_any(body["plan_text"], fmt=body.get("format", "toml"), source=body.get("source", "<request>"))
         else:

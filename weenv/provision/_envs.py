@@ -7,8 +7,10 @@ partial state, so nothing (mount, cgroup, process, layer reference, directory) o
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,9 +19,10 @@ from typing import Any
 import msgspec
 import trio
 
-from .. import _home
+from .. import _home, layerfmt
 from ..envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
-from ..plan import Lock, LockedGroup, Plan, is_locked, lock_plan, plan_to_builtins
+from ..plan import Lock, LockedGroup, Plan, apply_overrides, is_locked, lock_plan, plan_to_builtins
+from ..registry import LayoutStore
 from . import _mounts, _state
 from ._errors import (
     AdmissionError,
@@ -36,6 +39,7 @@ from ._monitor import Monitor
 from ._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
 from ._runtime import ExecResult, Runtime, prepare_bundle
+from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
 from .cgroups import Cgroup, CgroupBackend
 
@@ -94,6 +98,8 @@ class EnvManager:
         self.cgroups: dict[str, Cgroup] = {}
         self._locks: dict[str, trio.Lock] = {}
         self.pinned_layers: dict[str, int] = {}  # envlet references held by others than envs
+        self.snapshots = SnapshotStore(os.path.join(os.path.dirname(envs_dir), "snapshots"))
+        self._store: LayoutStore | None = None
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
 
     # ------------------------------------------------------------------ helpers
@@ -119,11 +125,11 @@ class EnvManager:
     # ------------------------------------------------------------------ create
 
     async def create(self, plan: Plan, *, snapshot: str | None = None, parent: str | None = None,
-                     extra_layers: Sequence[tuple[StoreSpec, str, int, str]] = ()) -> EnvRecord:
+                     snapshot_layers: Sequence[SnapshotLayer] = ()) -> EnvRecord:
         """Start an env for ``plan`` (a lock is used as is; a plan is locked first).
 
-        ``extra_layers`` (store, digest, size, toc_digest) go on top of the plan's groups: the
-        sealed layers of a snapshot.
+        ``snapshot_layers`` (in the embedded store) go on top of the plan's groups: the sealed
+        uppers of a snapshot.
         """
         t0 = time.perf_counter()
         lock = await trio.to_thread.run_sync(lock_for, plan)
@@ -132,7 +138,8 @@ class EnvManager:
         if not admission:
             raise AdmissionError(f"not admitted: {admission.reason}")
         rec = EnvRecord(id=_state.new_env_id(lock.name), name=lock.name, lock=plan_to_builtins(lock),
-                        snapshot=snapshot, parent=parent)
+                        snapshot=snapshot, parent=parent,
+                        snapshot_layers=[msgspec.to_builtins(layer) for layer in snapshot_layers])
         if lock.ttl_s:
             rec.expires_s = time.time() + lock.ttl_s
         self.envs[rec.id] = rec
@@ -140,7 +147,7 @@ class EnvManager:
         async with self._lock(rec.id):
             self._save(rec)
             try:
-                await self._start(rec, lock, limits, extra_layers)
+                await self._start(rec, lock, limits)
             except BaseException as e:
                 with trio.CancelScope(shield=True):
                     log.warning("env %s failed to start (%s): undoing its setup", rec.id, e)
@@ -151,17 +158,23 @@ class EnvManager:
         log.info("env %s running (%d layers)", rec.id, len(rec.layers))
         return rec
 
-    async def _start(self, rec: EnvRecord, lock: Lock, limits: EnvLimits,
-                     extra_layers: Sequence[tuple[StoreSpec, str, int, str]]) -> None:
+    async def _start(self, rec: EnvRecord, lock: Lock, limits: EnvLimits) -> None:
+        local = StoreSpec("layout", path=_home.store_dir())
         layers: list[tuple[StoreSpec, str, int, str, str]] = [
             (store_spec(g), g.layer_digest, g.layer_size, g.toc_digest, g.repo) for g in lock.groups
-        ] + [(spec, digest, size, toc, "") for spec, digest, size, toc in extra_layers]
+        ] + [(local, x["digest"], x["size"], x["toc_digest"], "") for x in rec.snapshot_layers]
         paths: list[str | None] = [None] * len(layers)
+
+        errors: list[Exception] = []
 
         async def register(i: int) -> None:
             spec, digest, size, toc, repo = layers[i]
-            info = await trio.to_thread.run_sync(
-                lambda: self.envlet.register(spec, digest, size, toc, repo=repo))
+            try:
+                info = await trio.to_thread.run_sync(
+                    lambda: self.envlet.register(spec, digest, size, toc, repo=repo))
+            except Exception as e:  # reported once all registrations are done
+                errors.append(e)
+                return
             rec.layers.append(info.name)  # recorded at once: teardown must release it even if others fail
             paths[i] = info.path
 
@@ -169,6 +182,8 @@ class EnvManager:
         async with trio.open_nursery() as n:
             for i in range(len(layers)):
                 n.start_soon(register, i)
+        if errors:
+            raise errors[0]
         self._save(rec)  # a daemon dying from here on must find the layer references to release
         mark("layers")
         rw = _state.upper_mount(self.envs_dir, rec.id)
@@ -375,6 +390,139 @@ class EnvManager:
                     except ProvisionError as e:
                         log.error("env %s: TTL kill: %s", rec.id, e)
             await trio.sleep(interval_s)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _layout(self) -> LayoutStore:
+        if self._store is None:
+            self._store = LayoutStore(_home.store_dir())
+        return self._store
+
+    async def commit(self, env_id: str, *, ref: str | None = None, build_key: str | None = None) -> SnapshotRecord:
+        """Freeze the env, seal its upper into a layer in the embedded store, thaw; record a snapshot."""
+        t0 = time.perf_counter()
+        async with self._lock(env_id):
+            rec = self.get(env_id)
+            if rec.status not in ("running", "paused"):
+                raise EnvStateError(f"is {rec.status}", env_id=env_id)
+            cg = self.cgroups[env_id]
+            froze = rec.status == "running"
+            store = self._layout()
+            upper = os.path.join(_state.upper_mount(self.envs_dir, env_id), "upper")
+            tmp = os.path.join(store.root, "blobs", "sha256", f".commit-{env_id}-{secrets.token_hex(4)}")
+
+            def seal() -> layerfmt.BuildResult:
+                try:
+                    with open(tmp, "wb") as f:
+                        res = layerfmt.build_layer(upper, f, overlay_upper=True)
+                    final = store.blob_path(res.digest)
+                    if os.path.exists(final):
+                        os.unlink(tmp)
+                    else:
+                        os.replace(tmp, final)
+                    return res
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except FileNotFoundError:
+                        pass
+                    raise
+
+            if froze:
+                await trio.to_thread.run_sync(cg.freeze)
+            try:
+                res = await trio.to_thread.run_sync(seal)
+            finally:
+                if froze:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(cg.thaw)
+        layer = SnapshotLayer(digest=res.digest, size=res.size, toc_digest=res.toc_digest)
+        parents = [msgspec.convert(x, SnapshotLayer) for x in rec.snapshot_layers]
+        snap = SnapshotRecord(id=new_snapshot_id(), source_env=env_id, lock=rec.lock, layers=[*parents, layer],
+                              build_key=build_key, diff_bytes=res.content_bytes)
+        self.snapshots.save(snap)
+
+        def warm() -> None:  # the new layer's chunks go to the node's disk cache at once
+            info = self.envlet.register(StoreSpec("layout", path=store.root), layer.digest, layer.size,
+                                        layer.toc_digest, warm=True)
+            self.envlet.unregister(info.name)
+
+        try:
+            await trio.to_thread.run_sync(warm)
+        except EnvletError as e:
+            log.warning("snapshot %s: could not warm the envlet cache: %s", snap.id, e)
+        if ref:
+            from ..registry import publish_layer_file
+
+            await trio.to_thread.run_sync(lambda: publish_layer_file(
+                store.blob_path(layer.digest), ref, group="snapshot", group_class="task", digest=layer.digest,
+                source=f"weenv commit {env_id}"))
+            snap.ref = ref
+            self.snapshots.save(snap)
+        log.info("env %s committed as %s (%d bytes of diff, %.0f ms)", env_id, snap.id, res.content_bytes,
+                 (time.perf_counter() - t0) * 1000)
+        return snap
+
+    async def create_from_snapshot(self, snap_id: str, **overrides: Any) -> EnvRecord:
+        snap = self.snapshots.get(snap_id)
+        lock: Plan = msgspec.convert(snap.lock, Lock)
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        if clean:
+            lock = apply_overrides(lock, **clean)
+        return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers)
+
+    async def fork(self, env_id: str, n: int) -> tuple[SnapshotRecord, list[EnvRecord]]:
+        """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones)."""
+        if not 1 <= n <= 1024:
+            raise EnvStateError(f"fork needs 1 <= n <= 1024, got {n}", env_id=env_id)
+        snap = await self.commit(env_id)
+        children: list[EnvRecord] = []
+        errors: list[BaseException] = []
+
+        async def one() -> None:
+            try:
+                children.append(await self.create_from_snapshot(snap.id))
+            except Exception as e:  # collected: the others keep going, then all are undone
+                errors.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+        if errors:
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as nursery:
+                    for child in children:
+                        nursery.start_soon(self.kill, child.id)
+            raise EnvStartError(f"fork of {n}: {len(errors)} children failed to start: {errors[0]}", env_id=env_id)
+        return snap, children
+
+    def delete_snapshot(self, snap_id: str) -> list[str]:
+        """Remove the record, and its layer blobs unless another snapshot, a live env or a tag uses them."""
+        rec = self.snapshots.delete(snap_id)
+        used: set[str] = set()
+        for other in self.snapshots.list():
+            used.update(layer.digest for layer in other.layers)
+        for env in self.envs.values():
+            used.update(x["digest"] for x in env.snapshot_layers)
+        store = self._layout()
+        tagged: set[str] = set()
+        try:
+            for repo in store.list_repos():
+                for tag in store.list_tags(repo):
+                    data, _ = store.get_manifest(repo, tag)
+                    tagged.update(layer.get("digest", "") for layer in json.loads(data).get("layers", []))
+        except Exception as e:  # an unreadable index must not make us delete blobs
+            log.warning("snapshot rm: cannot read the store index (%s): keeping blobs", e)
+            return []
+        removed = []
+        for layer in rec.layers:
+            if layer.digest not in used and layer.digest not in tagged:
+                try:
+                    os.unlink(store.blob_path(layer.digest))
+                    removed.append(layer.digest)
+                except FileNotFoundError:
+                    pass
+        return removed
 
     # ------------------------------------------------------------------ restart and gc
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,8 @@ class EnvMetrics(msgspec.Struct, kw_only=True):
     """CFS throttled time observed while monitored."""
     oom_kills: int = 0
     """Processes OOM-killed inside the env's cgroup while monitored."""
+    oom_events: int = 0
+    """Times the env's cgroup ran out of memory (v2 ``memory.events oom``; v1 counts kills only)."""
     memory_limit_hits: int = 0
     sample_errors: int = 0
     apply_errors: int = 0
@@ -52,6 +55,9 @@ class MonitorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Ticks that started after the next one was due (the loop skips ahead, never bursts)."""
     last_tick_s: float
     """Wall (trio clock) duration of the last tick, sampling and applying included."""
+    admitted: int = 0
+    admission_refusals: int = 0
+    """Envs :meth:`Monitor.admit` refused (their min did not fit)."""
 
 
 class _Env:
@@ -119,6 +125,10 @@ class Monitor:
         self._last_tick_s = 0.0
         self._node: NodeView | None = None
         self._node_read_s = float("-inf")
+        # Counters of removed envs, so node-wide totals never go down (prometheus counters).
+        self._retired = EnvMetrics()
+        self._admitted = 0
+        self._admission_refusals = 0
 
     # -- registration (called by the daemon) ----------------------------------------------------
 
@@ -150,7 +160,10 @@ class Monitor:
     def remove(self, env_id: str) -> EnvMetrics | None:
         """Stop managing ``env_id`` (its cgroup is left as it is); returns its final metrics."""
         env = self._envs.pop(env_id, None)
-        return None if env is None else env.metrics
+        if env is None:
+            return None
+        _accumulate(self._retired, env.metrics)
+        return env.metrics
 
     def __contains__(self, env_id: str) -> bool:
         return env_id in self._envs
@@ -165,8 +178,14 @@ class Monitor:
         return self._node
 
     def admit(self, limits: EnvLimits) -> Admission:
-        """Would an env with these limits get its mins next to the monitored ones?"""
-        return admit(limits, self.node_view(), (e.limits for e in self._envs.values()), self.cfg)
+        """Would an env with these limits get its mins next to the monitored ones? Counted."""
+        verdict = admit(limits, self.node_view(), (e.limits for e in self._envs.values()), self.cfg)
+        if verdict:
+            self._admitted += 1
+        else:
+            self._admission_refusals += 1
+            log.warning("admission refused: %s", verdict.reason)
+        return verdict
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -356,6 +375,7 @@ class Monitor:
         m = env.metrics
         m.throttled_ns += max(0, sample.throttled_ns - prev.throttled_ns)
         m.memory_limit_hits += max(0, sample.memory_limit_hits - prev.memory_limit_hits)
+        m.oom_events += max(0, sample.oom_events - prev.oom_events)
         kills = sample.oom_kills - prev.oom_kills
         if kills > 0:
             m.oom_kills += kills
@@ -391,7 +411,7 @@ class Monitor:
             reason = next((r for r in d.reasons if r.startswith(resource)), "")
             env.last_change = {
                 "resource": resource, "direction": change, "from": before, "to": after,
-                "reason": reason, "at_s": now,
+                "reason": reason, "at_s": now, "wall_s": time.time(),
             }  # fmt: skip
             log.info("env %s: %s", env.env_id, reason)
 
@@ -399,8 +419,16 @@ class Monitor:
 
     def statistics(self) -> MonitorStatistics:
         return MonitorStatistics(
-            envs=len(self._envs), ticks=self._ticks, late_ticks=self._late_ticks, last_tick_s=self._last_tick_s
+            envs=len(self._envs), ticks=self._ticks, late_ticks=self._late_ticks, last_tick_s=self._last_tick_s,
+            admitted=self._admitted, admission_refusals=self._admission_refusals,
         )
+
+    def totals(self) -> EnvMetrics:
+        """Every env's counters summed, removed envs included: they only ever grow."""
+        out = msgspec.structs.replace(self._retired)
+        for env in self._envs.values():
+            _accumulate(out, env.metrics)
+        return out
 
     def metrics(self, env_id: str) -> EnvMetrics:
         return self._envs[env_id].metrics
@@ -436,6 +464,111 @@ class Monitor:
         return {
             "interval_ms": self.interval_ms,
             "ticks": self._ticks,
-            "node": None if node is None else msgspec.structs.asdict(node),
+            "wall_s": time.time(),
+            "node": None if node is None else {
+                **msgspec.structs.asdict(node), "memory_headroom_bytes": node.memory_headroom_bytes(self.cfg),
+            },
             "envs": envs,
+            "totals": msgspec.structs.asdict(self.totals()),
+            "admission": {"admitted": self._admitted, "refused": self._admission_refusals},
         }
+
+    def prometheus_text(self) -> bytes:
+        """Every gauge and counter in the prometheus text format (``GET /v1/metrics``)."""
+        return render_prometheus(self.snapshot(), self.statistics())
+
+
+def _accumulate(into: EnvMetrics, m: EnvMetrics) -> None:
+    for field in EnvMetrics.__struct_fields__:
+        setattr(into, field, getattr(into, field) + getattr(m, field))
+
+
+#: Prometheus exposition content type (text format 0.0.4).
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render_prometheus(snapshot: dict[str, Any], stats: MonitorStatistics) -> bytes:
+    """The monitor's view in the prometheus text format. Per-env series carry an ``env`` label
+    and vanish with the env; ``weenv_*_total`` node-wide counters include removed envs."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def collect() -> Any:
+        envs = snapshot["envs"]
+
+        def gauge(name: str, doc: str, pick: Callable[[dict[str, Any]], Any]) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["env"])
+            for env_id, e in envs.items():
+                value = pick(e)
+                if value is not None:
+                    g.add_metric([env_id], float(value))
+            return g
+
+        yield gauge("weenv_env_cpu_quota_cores", "CPU quota in force (cores)", lambda e: e["cpu"]["quota_cores"])
+        yield gauge("weenv_env_cpu_used_cores", "CPU used over the last tick (cores)", lambda e: e["cpu"]["used_cores"])
+        yield gauge("weenv_env_cpu_min_cores", "Plan's CPU min (cores)", lambda e: e["cpu"]["min_cores"])
+        yield gauge("weenv_env_cpu_max_cores", "Plan's CPU max (cores)", lambda e: e["cpu"]["max_cores"])
+        yield gauge("weenv_env_memory_limit_bytes", "Elastic memory limit in force", lambda e: e["memory"]["limit_bytes"])
+        yield gauge("weenv_env_memory_used_bytes", "Memory charged to the env", lambda e: e["memory"]["used_bytes"])
+        yield gauge("weenv_env_memory_min_bytes", "Plan's memory min", lambda e: e["memory"]["min_bytes"])
+        yield gauge("weenv_env_memory_max_bytes", "Plan's memory max (OOM kill above)", lambda e: e["memory"]["max_bytes"])
+        yield gauge("weenv_env_pids", "Tasks in the env", lambda e: e["pids"]["current"])
+        changes = CounterMetricFamily("weenv_env_quota_changes", "Quota changes by resource and direction",
+                                      labels=["env", "resource", "direction"])
+        refusals = CounterMetricFamily("weenv_env_refusals", "Refused doublings (episodes)", labels=["env", "resource"])
+        throttled = CounterMetricFamily("weenv_env_cpu_throttled_seconds", "CFS throttled time", labels=["env"])
+        ooms = CounterMetricFamily("weenv_env_oom_kills", "Processes OOM-killed in the env", labels=["env"])
+        oom_events = CounterMetricFamily("weenv_env_oom_events", "Times the env ran out of memory", labels=["env"])
+        hits = CounterMetricFamily("weenv_env_memory_limit_hits", "Allocations that hit the limit", labels=["env"])
+        for env_id, e in envs.items():
+            m = e["metrics"]
+            for resource in ("cpu", "memory"):
+                for direction in ("up", "down"):
+                    changes.add_metric([env_id, resource, direction], m[f"{resource}_{direction}"])
+                refusals.add_metric([env_id, resource], m[f"{resource}_refusals"])
+            throttled.add_metric([env_id], m["throttled_ns"] / 1e9)
+            ooms.add_metric([env_id], m["oom_kills"])
+            oom_events.add_metric([env_id], m["oom_events"])
+            hits.add_metric([env_id], m["memory_limit_hits"])
+        yield from (changes, refusals, throttled, ooms, oom_events, hits)
+
+        t = snapshot["totals"]
+        c = CounterMetricFamily("weenv_quota_changes", "Quota changes on this node (removed envs included)",
+                                labels=["resource", "direction"])
+        for resource in ("cpu", "memory"):
+            for direction in ("up", "down"):
+                c.add_metric([resource, direction], t[f"{resource}_{direction}"])
+        yield c
+        c = CounterMetricFamily("weenv_refusals", "Refused doublings and admissions on this node", labels=["resource"])
+        c.add_metric(["cpu"], t["cpu_refusals"])
+        c.add_metric(["memory"], t["memory_refusals"])
+        c.add_metric(["admission"], stats.admission_refusals)
+        yield c
+        yield CounterMetricFamily("weenv_cpu_throttled_seconds", "CFS throttled time of all envs",
+                                  value=t["throttled_ns"] / 1e9)
+        yield CounterMetricFamily("weenv_oom_kills", "Processes OOM-killed inside envs", value=t["oom_kills"])
+        yield CounterMetricFamily("weenv_admitted", "Envs admitted", value=stats.admitted)
+        yield GaugeMetricFamily("weenv_monitor_envs", "Envs the monitor manages", value=stats.envs)
+        yield CounterMetricFamily("weenv_monitor_ticks", "Monitor ticks", value=stats.ticks)
+        yield CounterMetricFamily("weenv_monitor_late_ticks", "Ticks skipped because the loop was behind",
+                                  value=stats.late_ticks)
+        yield GaugeMetricFamily("weenv_monitor_last_tick_seconds", "Duration of the last tick", value=stats.last_tick_s)
+        node = snapshot["node"]
+        if node is not None:
+            for key, doc in (
+                ("memory_total_bytes", "Node memory (capped by weenv's cgroup ancestors)"),
+                ("memory_available_bytes", "Node memory the kernel could still hand out"),
+                ("memory_promised_bytes", "Sum over envs of (limit - usage)"),
+                ("memory_headroom_bytes", "available - promised - reserve: room for doublings"),
+                ("cpu_cores", "CPU cores the monitor counts"),
+                ("cpu_burst_committed_cores", "Sum over envs of (quota - min)"),
+            ):
+                yield GaugeMetricFamily(f"weenv_node_{key}", doc, value=float(node[key]))
+
+    class _Collector:
+        def collect(self) -> Any:
+            return collect()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())  # type: ignore[arg-type]
+    return generate_latest(registry)

@@ -29,6 +29,7 @@ class EnvRecord(msgspec.Struct, kw_only=True):
     parent: str | None = None  # the env it was forked from
     error: str = ""
     timings_ms: dict[str, float] = {}  # how long each step of create took
+    snapshot_layers: list[dict[str, Any]] = []  # sealed layers on top of the lock's groups (digest, size, toc_digest)
 
     def public(self, envs_dir: str) -> dict[str, Any]:
         """What ``ps`` / the API show."""

@@ -1,0 +1,92 @@
+"""Snapshot records: an env's filesystem sealed into layers on top of its plan lock.
+
+A snapshot is ``lock`` (the source env's plan lock) plus ``layers`` (sealed uppers, bottom first:
+a snapshot of an env that itself started from a snapshot stacks one more layer). Records live in
+``$WEENV_HOME/snapshots/<id>.json``; the layer blobs live in the embedded store, and are deleted
+only when no snapshot, running env or published tag references them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any
+
+import msgspec
+
+from ._errors import EnvError
+
+
+class SnapshotNotFoundError(EnvError, LookupError):
+    """Raised for a snapshot id the daemon does not know."""
+
+
+class SnapshotLayer(msgspec.Struct, frozen=True, kw_only=True):
+    digest: str
+    size: int
+    toc_digest: str
+
+
+class SnapshotRecord(msgspec.Struct, kw_only=True):
+    id: str
+    source_env: str
+    created_s: float = msgspec.field(default_factory=time.time)
+    lock: dict[str, Any] = {}
+    layers: list[SnapshotLayer] = []
+    ref: str | None = None  # where it was published, if it was
+    build_key: str | None = None  # set for snapshots made by `weenv build` steps
+    diff_bytes: int = 0  # uncompressed content of the newest layer
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "source_env": self.source_env, "created_s": self.created_s,
+                "layers": [msgspec.to_builtins(layer) for layer in self.layers], "ref": self.ref,
+                "plan": self.lock.get("name"), "build_key": self.build_key, "diff_bytes": self.diff_bytes}
+
+
+def new_snapshot_id() -> str:
+    return f"snap-{secrets.token_hex(6)}"
+
+
+class SnapshotStore:
+    def __init__(self, root: str):
+        self.root = root
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        self._enc = msgspec.json.Encoder()
+        self._dec = msgspec.json.Decoder(SnapshotRecord)
+
+    def _path(self, snap_id: str) -> str:
+        if not snap_id.startswith("snap-") or "/" in snap_id or len(snap_id) > 64:
+            raise SnapshotNotFoundError(f"{snap_id!r} is not a snapshot id (snap-…)")
+        return os.path.join(self.root, f"{snap_id}.json")
+
+    def save(self, rec: SnapshotRecord) -> None:
+        path = self._path(rec.id)
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(self._enc.encode(rec))
+        os.replace(tmp, path)
+
+    def get(self, snap_id: str) -> SnapshotRecord:
+        try:
+            with open(self._path(snap_id), "rb") as f:
+                return self._dec.decode(f.read())
+        except FileNotFoundError:
+            raise SnapshotNotFoundError(f"no snapshot {snap_id}") from None
+        except msgspec.DecodeError as e:
+            raise SnapshotNotFoundError(f"snapshot record {snap_id} is unreadable: {e}") from None
+
+    def list(self) -> list[SnapshotRecord]:
+        out = []
+        for name in sorted(os.listdir(self.root)):
+            if name.endswith(".json"):
+                try:
+                    out.append(self.get(name[:-5]))
+                except SnapshotNotFoundError:
+                    continue
+        return sorted(out, key=lambda r: r.created_s)
+
+    def delete(self, snap_id: str) -> SnapshotRecord:
+        rec = self.get(snap_id)
+        os.unlink(self._path(snap_id))
+        return rec
