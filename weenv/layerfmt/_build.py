@@ -351,11 +351,10 @@ def _build_ordered(
     level: int,
     threads: int | None,
     max_pending_bytes: int = 64 << 20,
-    batch_bytes: int = _BATCH_BYTES,
 ) -> BuildResult:
     """Write entries that are already in canonical order, the first ``n_prefetch`` of them the prefetch region."""
     threads = threads or min(os.cpu_count() or 1, 8)
-    pipe = _Pipeline(out, level, threads, max_pending_bytes, batch_bytes)
+    pipe = _Pipeline(out, level, threads, max_pending_bytes, _BATCH_BYTES)
     toc_entries: list[Entry] = []
     holders: dict[object, str] = {}
     header = bytearray()
