@@ -20,6 +20,7 @@ import trio
 from .. import __version__, _home
 from ..envlet import EnvletClient, EnvletError, EnvletProcess
 from ..plan import Lock, Plan, PlanError, apply_overrides, load_any, plan_from_builtins
+from ._agent import ensure_agent
 from ._envs import EnvManager
 from ._errors import (
     AdmissionError,
@@ -59,6 +60,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     """Thresholds, hold time, node reserve, burst budget, admission overcommit (docs/elastic.md)."""
     envlet_check_interval_s: float = 2.0
     cgroup_root: str = "weenv"  # weenv's parent group, under this process's own cgroup
+    use_agent: bool = True  # weenv-agent as the env init (fast exec); False: catatonit + crun exec
 
 
 def _error(e: BaseException) -> HTTPError:
@@ -148,6 +150,9 @@ class Daemon:
 
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         await trio.to_thread.run_sync(self.ensure_envlet)
+        if self.config.use_agent:
+            self.manager.agent_path = await trio.to_thread.run_sync(
+                ensure_agent, os.path.join(self.config.home, "lib"))
         adoption = await self.manager.adopt()
         server = Server(self.router.dispatch)
         async with trio.open_nursery() as nursery:

@@ -24,6 +24,8 @@ What an env gets, and why:
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -48,6 +50,11 @@ NETWORK_MODES = ("none", "loopback")
 #: Annotation keys the runtime reads back from a container's config.
 ANNOTATION_ENV_ID = "org.weenv.env-id"
 ANNOTATION_NETWORK = "org.weenv.network"
+AGENT_PATH = "/dev/.weenv-agent"  # the in-env agent binary (read-only bind into /dev's tmpfs)
+AGENT_DIR = "/dev/.weenv"  # the agent socket's directory inside the env (root only)
+AGENT_SOCKET_NAME = "agent.sock"
+ANNOTATION_AGENT_SOCKET = "org.weenv.agent-socket"  # host path of the in-env agent's socket
+ANNOTATION_EXEC_USER = "org.weenv.exec-user"  # [uid, gid, [gids], home]: the default user of exec
 
 DEFAULT_CAPABILITIES = (
     "CAP_AUDIT_WRITE",
@@ -296,6 +303,8 @@ def build_spec(
     shm_size_bytes: int = 64 << 20,
     dev_size_bytes: int = 4 << 20,
     annotations: Mapping[str, str] | None = None,
+    agent_path: str | None = None,
+    agent_dir: str | None = None,
 ) -> dict:
     """The complete ``config.json`` for one env.
 
@@ -308,7 +317,14 @@ def build_spec(
         raise SpecError(f"env id {env_id!r} must be 1-64 characters without '/' or NUL")
     if network not in NETWORK_MODES:
         raise SpecError(f"network must be one of {', '.join(NETWORK_MODES)}, got {network!r}")
-    if args is None:
+    use_agent = args is None and agent_path is not None and agent_dir is not None
+    default_user = user
+    if use_agent:
+        # weenv-agent is the init and runs commands for the daemon: it must be root to run them
+        # as any user; commands default to the plan's user (recorded in an annotation).
+        args = (AGENT_PATH, f"{AGENT_DIR}/{AGENT_SOCKET_NAME}")
+        user = ROOT_USER
+    elif args is None:
         if init_path is None:
             raise SpecError("no init: give the host path of a static init or the plan's own init args")
         args = INIT_ARGS
@@ -350,6 +366,11 @@ def build_spec(
                 "options": ["bind", "ro", "nosuid", "nodev"],
             }
         )
+    if use_agent:
+        mounts.append({"destination": AGENT_PATH, "type": "bind", "source": _check_abs(agent_path, "agent_path"),
+                       "options": ["bind", "ro", "nosuid", "nodev"]})
+        mounts.append({"destination": AGENT_DIR, "type": "bind", "source": _check_abs(agent_dir, "agent_dir"),
+                       "options": ["bind", "rw", "nosuid", "nodev", "noexec"]})
     if etc_dir is not None:
         etc_dir = _check_abs(etc_dir, "etc_dir")
         for name in ETC_FILES:
@@ -370,6 +391,10 @@ def build_spec(
         mounts.append({"destination": dest, "type": "bind", "source": _check_abs(b.source, f"bind_mounts[{i}].source"), "options": opts})
     spec_env = merge_env(base_env(env_id, user), env)
     note = {ANNOTATION_ENV_ID: env_id, ANNOTATION_NETWORK: network}
+    if use_agent:
+        note[ANNOTATION_AGENT_SOCKET] = os.path.join(agent_dir, AGENT_SOCKET_NAME)  # type: ignore[arg-type]
+        note[ANNOTATION_EXEC_USER] = json.dumps(
+            [default_user.uid, default_user.gid, list(default_user.additional_gids), default_user.home or ""])
     note.update(annotations or {})
     linux: dict = {
         "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],

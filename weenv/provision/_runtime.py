@@ -32,6 +32,7 @@ import abc
 import ctypes
 import inspect
 import json
+import logging
 import math
 import os
 import re
@@ -51,7 +52,20 @@ import trio
 
 from ._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, SpecError
 from ._hostcheck import HostFacts, detect_host, private_mount_ns_recipe
-from ._ocispec import ANNOTATION_NETWORK, DEFAULT_NOFILE, User, build_process, build_spec, merge_env, render_etc_files
+from ._ocispec import (
+    ANNOTATION_AGENT_SOCKET,
+    ANNOTATION_EXEC_USER,
+    ANNOTATION_NETWORK,
+    DEFAULT_NOFILE,
+    User,
+    build_process,
+    build_spec,
+    merge_env,
+    render_etc_files,
+)
+from ._agent import agent_exec
+
+_timing_log = logging.getLogger("weenv.runtime.timing")
 
 DEFAULT_MAX_OUTPUT_BYTES = 16 << 20
 
@@ -142,7 +156,8 @@ def prepare_bundle(bundle_dir: str, *, env_id: str, rootfs: str, host: HostFacts
     for name, data in render_etc_files(env_id, network).items():
         with open(os.path.join(etc_dir, name), "wb") as f:
             f.write(data)
-    init_path = None if spec_options.get("args") else host.require_init()
+    agent = spec_options.get("agent_path") is not None and spec_options.get("agent_dir") is not None
+    init_path = None if spec_options.get("args") or agent else host.require_init()
     soft, hard = spec_options.pop("nofile", DEFAULT_NOFILE)
     hard = min(hard, host.nofile_hard)
     spec_options["nofile"] = (min(soft, hard), hard)
@@ -393,6 +408,8 @@ class CrunRuntime(Runtime):
         # Env ids this runtime started (or found running): crun would exec into a container that
         # is still parked before start, where the root is not yet nodev; we do not.
         self._started: set[str] = set()
+        # env id -> (agent socket on the host, default exec user) for envs whose init is weenv-agent
+        self._agents: dict[str, tuple[str, User]] = {}
 
     # -- small crun calls --------------------------------------------------------------------
 
@@ -416,11 +433,21 @@ class CrunRuntime(Runtime):
         except OSError as exc:
             raise ContainerNotFoundError("crun has no config for this container", env_id=env_id) from exc
         known = (st.pid, spec.get("process", {}))
+        self._note_agent(env_id, spec)
         if st.pid > 0:
             self._known[env_id] = known
         if st.status in ("running", "paused"):
             self._started.add(env_id)
         return known
+
+    def _note_agent(self, env_id: str, spec: Mapping) -> None:
+        notes = spec.get("annotations", {})
+        sock = notes.get(ANNOTATION_AGENT_SOCKET)
+        if not sock:
+            self._agents.pop(env_id, None)
+            return
+        uid, gid, gids, home = json.loads(notes.get(ANNOTATION_EXEC_USER, "[0, 0, [], \"/root\"]"))
+        self._agents[env_id] = (sock, User(uid=uid, gid=gid, additional_gids=tuple(gids), home=home or "/"))
 
     # -- Runtime -------------------------------------------------------------------------------
 
@@ -459,7 +486,9 @@ class CrunRuntime(Runtime):
                         argv, stdin=subprocess.DEVNULL, stdout=init_log, stderr=init_log, pass_fds=cg.fds
                     ).returncode
 
+                _t0 = time.perf_counter()
                 returncode = await trio.to_thread.run_sync(in_fresh_thread, spawn)
+                _timing_log.debug("crun create %s: spawn %.1f ms", env_id, (time.perf_counter() - _t0) * 1000)
         except OSError as exc:
             raise ContainerError("could not open the env's cgroups", env_id=env_id, detail=str(exc)) from exc
         finally:
@@ -478,14 +507,17 @@ class CrunRuntime(Runtime):
         with open(pid_file) as f:
             init_pid = int(f.read().strip())
         self._known[env_id] = (init_pid, spec.get("process", {}))
+        self._note_agent(env_id, spec)
         self._started.discard(env_id)
         network = spec.get("annotations", {}).get(ANNOTATION_NETWORK, "none")
         new_netns = any(ns.get("type") == "network" and not ns.get("path") for ns in spec.get("linux", {}).get("namespaces", ()))
         try:
+            _t0 = time.perf_counter()
             await trio.to_thread.run_sync(
                 in_fresh_thread,
                 lambda: _setup_env_namespaces(init_pid, remount_root=True, loopback=(network == "loopback") if new_netns else None),
             )
+            _timing_log.debug("crun create %s: namespace setup %.1f ms", env_id, (time.perf_counter() - _t0) * 1000)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 await self.delete(env_id)
@@ -521,8 +553,17 @@ class CrunRuntime(Runtime):
         _init_pid, base = await self._lookup(env_id)
         if env_id not in self._started:
             raise ContainerError("cannot exec in an env that was created but not started", env_id=env_id)
-        process = self._exec_process(base, argv, env=env, cwd=cwd, user=user)
         cap = self.max_output_bytes if max_output_bytes is None else max_output_bytes
+        agent = self._agents.get(env_id)
+        if agent is not None:
+            sock, default_user = agent
+            process = self._exec_process(base, argv, env=env, cwd=cwd, user=user or default_user)
+            who = process["user"]
+            return await agent_exec(sock, process["args"], env=process["env"], cwd=process["cwd"], uid=who["uid"],
+                                    gid=who["gid"], groups=who.get("additionalGids", ()), stdin=stdin,
+                                    timeout_s=timeout_s, on_output=on_output, max_output_bytes=cap, env_id=env_id,
+                                    kill_grace_s=self.kill_grace_s)
+        process = self._exec_process(base, argv, env=env, cwd=cwd, user=user)
         payload = json.dumps(process).encode()
         proc_r, proc_w = os.pipe2(os.O_CLOEXEC)
         log_r, log_w = os.pipe2(os.O_CLOEXEC)
@@ -704,6 +745,7 @@ class CrunRuntime(Runtime):
 
     async def delete(self, env_id: str, force: bool = True) -> None:
         known = self._known.pop(env_id, None)
+        self._agents.pop(env_id, None)
         self._started.discard(env_id)
         pid = known[0] if known else 0
         if pid <= 0:
