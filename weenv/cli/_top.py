@@ -51,7 +51,7 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
     admission = top.get("admission") or {}
     envs = top.get("envs") or {}
     head = Text(
-        f"{len(envs)} envs · memory {_bytes(node.get('memory_available_bytes'))} available of "
+        f"{len(envs)} env{'' if len(envs) == 1 else 's'} · memory {_bytes(node.get('memory_available_bytes'))} available of "
         f"{_bytes(node.get('memory_total_bytes'))}, {_bytes(node.get('memory_promised_bytes'))} promised, "
         f"headroom {_bytes(max(0, node['memory_headroom_bytes'])) if 'memory_headroom_bytes' in node else '-'} · "
         f"cpu burst {_cores(node.get('cpu_burst_committed_cores'))} of {_cores(node.get('cpu_cores'))} cores · "
@@ -93,7 +93,9 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the monitor's snapshot as JSON and exit.")
 @click.option("--interval", "interval_s", type=click.FloatRange(0.1), default=1.0, show_default=True,
               help="Seconds between refreshes.")
-def top_cmd(once: bool, as_json: bool, interval_s: float) -> None:
+@click.option("-n", "--count", type=click.IntRange(1), default=None,
+              help="Stop after this many refreshes [default: until Ctrl-C].")
+def top_cmd(once: bool, as_json: bool, interval_s: float, count: int | None) -> None:
     """Live view of every env's CPU and memory quota, usage, last change and refusals."""
     from .._client import Client, WeenvError
 
@@ -108,11 +110,12 @@ def top_cmd(once: bool, as_json: bool, interval_s: float) -> None:
             from rich.live import Live
 
             with Live(render(c.top()), console=stdout, auto_refresh=False, screen=False) as live:
-                try:
-                    while True:
-                        time.sleep(interval_s)
-                        live.update(render(c.top()), refresh=True)
-                except KeyboardInterrupt:
-                    pass
+                shown = 1
+                while count is None or shown < count:
+                    time.sleep(interval_s)
+                    live.update(render(c.top()), refresh=True)
+                    shown += 1
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a live view ends
     except WeenvError as e:
         raise click.ClickException(str(e)) from None

@@ -58,18 +58,22 @@ class MonitorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     admitted: int = 0
     admission_refusals: int = 0
     """Envs :meth:`Monitor.admit` refused (their min did not fit)."""
+    fast_steps: int = 0
+    """Steps run between ticks for envs whose tasks stalled at their memory limit."""
 
 
 class _Env:
     __slots__ = (
-        "env_id", "cgroup", "limits", "state", "last", "metrics", "last_change", "decision", "error", "key",
-        "settled",
+        "env_id", "cgroup", "limits", "memory_limits", "state", "last", "metrics", "last_change", "decision",
+        "error", "key", "settled", "watch",
     )  # fmt: skip
 
     def __init__(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, state: EnvQuotaState):
         self.env_id = env_id
         self.cgroup = cgroup
         self.limits = limits
+        #: The limits with CPU left out, for steps that judge memory only.
+        self.memory_limits = msgspec.structs.replace(limits, cpu_min_cores=None, cpu_max_cores=None)
         self.state = state
         self.last: CgroupSample | None = None
         self.metrics = EnvMetrics()
@@ -84,6 +88,8 @@ class _Env:
         #: unchanged counters next tick give the same decision: skip it. Idle envs sitting at
         #: their mins, the common case, cost the monitor a sample and a tuple compare.
         self.settled = False
+        #: The memory event descriptor run() waits on, if any.
+        self.watch: int | None = None
 
 
 class Monitor:
@@ -129,6 +135,10 @@ class Monitor:
         self._retired = EnvMetrics()
         self._admitted = 0
         self._admission_refusals = 0
+        self._fast_steps = 0
+        self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()
+        self._urgent: dict[str, _Env] = {}
 
     # -- registration (called by the daemon) ----------------------------------------------------
 
@@ -152,6 +162,7 @@ class Monitor:
         # A baseline now lets the very first tick judge rates (one tick sooner to react).
         env.last = cgroup.sample()
         self._envs[env_id] = env
+        self._watch(env)
         log.info(
             "env %s: monitored, cpu %s cores, memory %s bytes (limits %s)",
             env_id, state.cpu_quota_cores, state.memory_limit_bytes, limits,
@@ -162,6 +173,8 @@ class Monitor:
         env = self._envs.pop(env_id, None)
         if env is None:
             return None
+        self._urgent.pop(env_id, None)
+        self._unwatch(env)
         _accumulate(self._retired, env.metrics)
         return env.metrics
 
@@ -190,20 +203,94 @@ class Monitor:
     # -- the loop ----------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Tick forever; cancel the enclosing scope to stop."""
+        """Tick forever; cancel the enclosing scope to stop.
+
+        Between ticks it waits on the groups' memory event descriptors (see
+        :meth:`Cgroup.memory_event_fd`): an env whose tasks stall at their memory limit is
+        stepped at once (memory only), so an allocation that needs several doublings waits
+        milliseconds per doubling instead of a tick each.
+        """
         interval_s = self.interval_ms / 1000
-        next_s = trio.current_time()
-        task_status.started()
-        while True:
-            await self.tick()
-            next_s += interval_s
-            now = trio.current_time()
-            if next_s <= now:
-                # Behind schedule (a stalled host): skip the missed ticks instead of bursting.
-                while next_s <= now:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._wake = trio.Event()
+            try:
+                for env in list(self._envs.values()):
+                    self._watch(env)
+                next_s = trio.current_time()
+                task_status.started()
+                while True:
+                    await self.tick()
                     next_s += interval_s
-                    self._late_ticks += 1
-            await trio.sleep_until(next_s)
+                    now = trio.current_time()
+                    if next_s <= now:
+                        # Behind schedule (a stalled host): skip the missed ticks instead of bursting.
+                        while next_s <= now:
+                            next_s += interval_s
+                            self._late_ticks += 1
+                    while trio.current_time() < next_s:
+                        with trio.move_on_at(next_s):
+                            await self._wake.wait()
+                        self._wake = trio.Event()  # events from here on wake the loop again
+                        if self._urgent:
+                            await self._fast_step()
+            finally:
+                self._nursery = None
+                for env in self._envs.values():
+                    env.watch = None
+                nursery.cancel_scope.cancel()
+
+    # -- memory events -------------------------------------------------------------------------
+
+    def _watch(self, env: _Env) -> None:
+        if self._nursery is None or env.watch is not None:
+            return
+        try:
+            fd = env.cgroup.memory_event_fd()
+        except CgroupError as exc:
+            log.debug("env %s: no memory events, ticks only: %s", env.env_id, exc)
+            return
+        if fd is None:
+            return
+        env.watch = fd
+        self._nursery.start_soon(self._wait_events, env, fd)
+
+    def _unwatch(self, env: _Env) -> None:
+        fd, env.watch = env.watch, None
+        if fd is not None:
+            # Wakes the waiter with ClosedResourceError and drops the fd from epoll now, before
+            # the group (which owns the fd) is removed and closes it.
+            try:
+                trio.lowlevel.notify_closing(fd)
+            except RuntimeError:
+                pass  # not in the trio thread: run() has ended, nothing waits
+
+    async def _wait_events(self, env: _Env, fd: int) -> None:
+        while env.watch == fd and self._envs.get(env.env_id) is env:
+            try:
+                await trio.lowlevel.wait_readable(fd)
+            except (trio.ClosedResourceError, OSError):
+                return
+            try:
+                os.read(fd, 8)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if env.watch != fd or self._envs.get(env.env_id) is not env:
+                return
+            self._urgent[env.env_id] = env
+            self._wake.set()
+
+    async def _fast_step(self) -> None:
+        urgent = [env for env in self._urgent.values() if self._envs.get(env.env_id) is env]
+        self._urgent.clear()
+        log.debug("memory events from %s", [env.env_id for env in urgent])
+        if urgent:
+            await self._step(urgent, fast=True)
+            self._fast_steps += 1
+
+    # -- one step ------------------------------------------------------------------------------
 
     async def _call(self, in_thread: bool, fn: Callable[..., Any], *args: Any) -> Any:
         if in_thread:
@@ -213,15 +300,25 @@ class Monitor:
     async def tick(self) -> None:
         """Sample every env, decide, apply. Public so tests and ``weenv top --once`` can step it."""
         started = trio.current_time()
-        envs = list(self._envs.values())
+        await self._step(list(self._envs.values()), fast=False)
+        self._ticks += 1
+        self._last_tick_s = trio.current_time() - started
+
+    async def _step(self, envs: list[_Env], *, fast: bool) -> None:
+        """Sample ``envs``, decide, apply. A fast step (envs stalled at their memory limit,
+        between ticks) decides memory only and counts every other env as of its last sample."""
+        started = trio.current_time()
         # The node's memory matters when some env may ask for more; when every env is settled it
         # is only refreshed for views, once a second (/proc/meminfo is not free).
         need_node = (
-            self._node is None
+            fast
+            or self._node is None
             or started - self._node_read_s >= 1.0
             or not all(env.settled for env in envs)
         )
-        samples, node_memory = await self._call(self._offload == "all", self._sample_all, envs, need_node)
+        samples, node_memory = await self._call(
+            self._offload == "all" and not fast, self._sample_all, envs, need_node
+        )
         if node_memory is None:
             assert self._node is not None
             total, available = self._node.memory_total_bytes, self._node.memory_available_bytes
@@ -245,12 +342,12 @@ class Monitor:
                 )  # fmt: skip
                 unchanged = key == env.key
                 env.key = key
-                if unchanged and env.settled:
+                if unchanged and env.settled and not fast:
                     # Same inputs as the last decision, which changed nothing and started no
                     # timer: decide() would return it again (see _Env.settled).
                     env.last = sample
                 else:
-                    todo.append((env, sample, unchanged))
+                    todo.append((env, sample, unchanged and not fast))
             else:
                 env.metrics.sample_errors += 1
                 if env.error is None:
@@ -258,6 +355,11 @@ class Monitor:
                 env.error = str(sample)
                 sample = env.last
             committed, promised = self._add_commitments(env, sample, committed, promised)
+        if fast:
+            stepped = {env.env_id for env in envs}
+            for env in live.values():
+                if env.env_id not in stepped:
+                    committed, promised = self._add_commitments(env, env.last, committed, promised)
         node = NodeView(
             cpu_cores=self.cpu_cores,
             cpu_burst_committed_cores=committed,
@@ -271,7 +373,18 @@ class Monitor:
             prev = env.last
             self._count(env, sample, prev)
             old = env.state
-            d = decide(old, sample, prev, env.limits, node, cfg, now)
+            if fast:
+                d = decide(old, sample, prev, env.memory_limits, node, cfg, now)
+                # CPU was not judged (a few ms of counters say nothing): keep its state and view.
+                d = msgspec.structs.replace(
+                    d,
+                    state=msgspec.structs.replace(d.state, cpu_refused=old.cpu_refused),
+                    cpu_refused=old.cpu_refused,
+                    cpu_usage_cores=env.decision.cpu_usage_cores if env.decision else None,
+                    cpu_throttled_share=env.decision.cpu_throttled_share if env.decision else None,
+                )
+            else:
+                d = decide(old, sample, prev, env.limits, node, cfg, now)
             env.last = sample
             env.decision = d
             new = d.state
@@ -304,8 +417,6 @@ class Monitor:
             results = await self._call(self._offload != "none", self._apply_all, changes)
             for (env, d), (actual, error) in zip(changes, results):
                 self._record(env, d, actual, error, now)
-        self._ticks += 1
-        self._last_tick_s = trio.current_time() - started
 
     # -- worker-thread halves ------------------------------------------------------------------
 
@@ -420,7 +531,7 @@ class Monitor:
     def statistics(self) -> MonitorStatistics:
         return MonitorStatistics(
             envs=len(self._envs), ticks=self._ticks, late_ticks=self._late_ticks, last_tick_s=self._last_tick_s,
-            admitted=self._admitted, admission_refusals=self._admission_refusals,
+            admitted=self._admitted, admission_refusals=self._admission_refusals, fast_steps=self._fast_steps,
         )
 
     def totals(self) -> EnvMetrics:
@@ -470,6 +581,7 @@ class Monitor:
             },
             "envs": envs,
             "totals": msgspec.structs.asdict(self.totals()),
+            "policy": msgspec.structs.asdict(self.cfg),
             "admission": {"admitted": self._admitted, "refused": self._admission_refusals},
         }
 

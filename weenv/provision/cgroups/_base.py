@@ -139,6 +139,14 @@ class Cgroup(abc.ABC):
         usage be that old too (it can only fall, by global reclaim): one read per idle group.
         """
 
+    def memory_event_fd(self) -> int | None:
+        """A descriptor that turns readable each time a task of the group stalls at its memory
+        limit, so the monitor can raise the limit at once instead of on its next tick; None when
+        the backend has no such notification (the monitor then relies on its ticks). Read 8
+        bytes to re-arm it (an eventfd counter). The group owns it and :meth:`remove` closes it:
+        stop waiting on it first."""
+        return None
+
     @abc.abstractmethod
     def freeze(self, timeout_s: float = 1.0) -> None:
         """Stop every process in the group; returns once the kernel reports the group frozen."""

@@ -47,7 +47,7 @@ class V1Cgroup(Cgroup):
     __slots__ = (
         "name", "_fs", "_files", "_dirs", "_mem", "_cpu", "_acct", "_frz", "_pids", "_unified",
         "_quota_cores", "_period_us", "_limit", "_hard", "_kill_disabled", "_pids_max",
-        "_last", "_memory_read_s",
+        "_last", "_memory_read_s", "_event_fds",
     )  # fmt: skip
 
     def __init__(self, name: str, dirs: Mapping[str, str], unified_dir: str | None, fs: CgroupFs):
@@ -72,6 +72,7 @@ class V1Cgroup(Cgroup):
         # The last full reading; limits written since invalidate it.
         self._last: CgroupSample | None = None
         self._memory_read_s = float("-inf")
+        self._event_fds: tuple[int, int] | None = None
 
     # -- reading limits back (open) ------------------------------------------------------------
 
@@ -234,7 +235,9 @@ class V1Cgroup(Cgroup):
             memory_hard_limit_bytes=self._hard,
             memory_limit_hits=failcnt,
             memory_high_events=0,
-            memory_stalled=under_oom,
+            # under_oom stays set until the woken tasks run again: right after the limit was
+            # raised it describes the old limit. A task waits at *this* limit only if usage is there.
+            memory_stalled=under_oom and self._limit is not None and mem_usage * 16 >= self._limit * 15,
             oom_events=oom_kills,
             oom_kills=oom_kills,
             pids_current=pids_current,
@@ -246,6 +249,38 @@ class V1Cgroup(Cgroup):
             memory_pressure_full_total_us=mem_full_total,
         )
         return sample
+
+    def memory_event_fd(self) -> int | None:
+        # memory.oom_control notifies through cgroup.event_control whenever the group enters
+        # OOM; with the OOM killer disabled below the hard limit that is a task going to sleep
+        # at the elastic limit (a user-space page fault that could not be charged).
+        if self._event_fds is None:
+            if self._mem is None:
+                return None
+            path = f"{self._mem}/memory.oom_control"
+            efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            ofd = -1
+            try:
+                with translate_oserror(self.name, path):
+                    ofd = self._fs.open_fd(path)
+                path = f"{self._mem}/cgroup.event_control"
+                with translate_oserror(self.name, path):
+                    self._fs.write(path, f"{efd} {ofd}")
+            except BaseException:
+                for fd in (efd, ofd):
+                    if fd >= 0:
+                        os.close(fd)
+                raise
+            self._event_fds = (efd, ofd)
+        return self._event_fds[0]
+
+    def _close_event_fds(self) -> None:
+        fds, self._event_fds = self._event_fds, None
+        for fd in fds or ():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _freezer_state(self) -> bytes:
         path = f"{self._need(self._frz, 'freezer')}/freezer.state"
@@ -311,6 +346,7 @@ class V1Cgroup(Cgroup):
 
     def remove(self, timeout_s: float = 2.0) -> None:
         self._files.close()
+        self._close_event_fds()
         deadline = time.monotonic() + timeout_s
         for d in self._dirs:
             delay_s = 0.001
