@@ -22,9 +22,10 @@ from pathlib import Path
 import trio
 
 from benchmarks.start_crun import bare_crun_run
-from tests.fixtures_daemon import DaemonHandle, busybox_plan, leftovers
+from tests.fixtures_daemon import leftovers
 from weenv.provision._hostcheck import detect_host
 
+from ._daemon import bench_daemon
 from ._util import Report, arg_parser, median, percentile
 
 
@@ -33,12 +34,8 @@ def main() -> None:
     n = 20 if args.quick else 120
     concurrent = 16 if args.quick else 64
     report = Report("start", "Warm start through the daemon", args.quick)
-    home = tempfile.mkdtemp(prefix="weenv-bench-start-")
-    plan, lock = busybox_plan(home, "bench")
-    d = DaemonHandle(home, os.path.join(home, "run", "weenv.sock"), f"weenv-bench-{os.getpid()}", lock, plan,
-                     os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
-    d.start()
-    try:
+    with bench_daemon("start") as d:
+        lock, home = d.plan_lock, d.home
         with d.client() as c:
             for _ in range(3):  # warm: layers registered and cached, code paths hot
                 with c.create(lock) as env:
@@ -99,26 +96,6 @@ def main() -> None:
         left = leftovers(d)
         if left:
             report.notes.append(f"LEAKS: {left}")
-    finally:
-        with d.client() as c:
-            c.gc()
-        d.stop()
-        from weenv.envlet import EnvletClient
-
-        try:
-            pid = EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"]
-            os.kill(pid, 15)
-            time.sleep(1)
-        except Exception:
-            pass
-        os.system(f"fusermount3 -u -z {home}/envlet/mnt 2>/dev/null")
-        from weenv.provision.cgroups import detect_backend
-
-        try:
-            detect_backend(d.cgroup_root).remove_parent()
-        except Exception:
-            pass
-        shutil.rmtree(home, ignore_errors=True)
     report.print()
     print("results:", report.save())
 

@@ -157,6 +157,7 @@ class Daemon:
         server = Server(self.router.dispatch)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.manager.nursery = nursery
             await nursery.start(self.monitor.run)
             nursery.start_soon(self.manager.ttl_loop)
             nursery.start_soon(self._supervise_envlet)

@@ -100,6 +100,7 @@ class EnvManager:
         self.pinned_layers: dict[str, int] = {}  # envlet references held by others than envs
         self.snapshots = SnapshotStore(os.path.join(os.path.dirname(envs_dir), "snapshots"))
         self.agent_path: str | None = None  # weenv-agent binary; None: envs use catatonit + crun exec
+        self.nursery: trio.Nursery | None = None  # for background work (set by the daemon)
         self._store: LayoutStore | None = None
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
 
@@ -455,10 +456,16 @@ class EnvManager:
                                         layer.toc_digest, warm=True)
             self.envlet.unregister(info.name)
 
-        try:
-            await trio.to_thread.run_sync(warm)
-        except EnvletError as e:
-            log.warning("snapshot %s: could not warm the envlet cache: %s", snap.id, e)
+        async def warm_in_background() -> None:
+            try:
+                await trio.to_thread.run_sync(warm)
+            except EnvletError as e:
+                log.warning("snapshot %s: could not warm the envlet cache: %s", snap.id, e)
+
+        if self.nursery is not None:  # the caller has its snapshot now; the cache fills meanwhile
+            self.nursery.start_soon(warm_in_background)
+        else:
+            await warm_in_background()
         if ref:
             from ..registry import publish_layer_file
 
