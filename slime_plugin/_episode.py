@@ -387,6 +387,11 @@ class Episode:
                 + spec.observation_suffix
             ids = encode(self.tokenizer, observation)
             turn_record["observation_tokens"] = len(ids)
+            remaining = self._budget(max_new_tokens)
+            if remaining is not None and len(ids) >= remaining:
+                # No room for the model to answer it: an observation nobody reads is not appended,
+                # so the response never outgrows slime's budget.
+                raise _Finished("TRUNCATED", "response_budget")
             append_tokens(sample, args, tokens=ids, log_probs=None, trainable=False, meta_info=None,
                           text=observation)
 
@@ -442,19 +447,25 @@ class Episode:
     # -- all of it ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        status_enum = type(self.sample).Status
         async with contextlib.AsyncExitStack() as stack:
-            task, clean_source, clean_is_ready = await self._open_task_env(stack)
             try:
-                await self._turns(task)
-                status, why = "TRUNCATED", "max_turns"
-            except _Finished as end:
-                status, why = end.status, end.why
-            self.record["end"] = why
-            self.record["answer"] = None if self.answer is None else self.answer[:2000]
-            if status == "ABORTED":
-                raise GenerationAborted("SGLang finished the turn with 'abort'")
-            self.sample.status = status_enum[status]
-            if self.spec.evaluator is not None:
-                await self._grade(task, clean_source, clean_is_ready, status, stack)
+                await self._run_in(stack)
+            except BaseException:
+                self.record["failed_phase"] = self.record["phase"]  # before teardown moves it on
+                raise
             self.record["phase"] = "teardown"
+
+    async def _run_in(self, stack: contextlib.AsyncExitStack) -> None:
+        task, clean_source, clean_is_ready = await self._open_task_env(stack)
+        try:
+            await self._turns(task)
+            status, why = "TRUNCATED", "max_turns"
+        except _Finished as end:
+            status, why = end.status, end.why
+        self.record["end"] = why
+        self.record["answer"] = None if self.answer is None else self.answer[:2000]
+        if status == "ABORTED":
+            raise GenerationAborted("SGLang finished the turn with 'abort'")
+        self.sample.status = type(self.sample).Status[status]
+        if self.spec.evaluator is not None:
+            await self._grade(task, clean_source, clean_is_ready, status, stack)

@@ -58,13 +58,13 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
         async with asyncio.timeout(settings.episode_timeout_s):
             await episode.run()
     except TimeoutError:
-        _abort(sample, args, record, f"{record['phase']}/episode_timeout: the sample ran past episode_timeout_s")
+        _abort(sample, args, record, f"{_phase(record)}/episode_timeout: the sample ran past episode_timeout_s")
     except SlimePluginError as e:
-        _abort(sample, args, record, f"{record['phase']}/{e.reason}: {e}")
+        _abort(sample, args, record, f"{_phase(record)}/{e.reason}: {e}")
     except Exception as e:  # noqa: BLE001 - a bug here must cost one sample, not the rollout manager
         logger.exception("[weenv] sample %s: unexpected error in phase %s", getattr(sample, "index", "?"),
-                         record["phase"])
-        _abort(sample, args, record, f"{record['phase']}/internal: {type(e).__name__}: {e}")
+                         _phase(record))
+        _abort(sample, args, record, f"{_phase(record)}/internal: {type(e).__name__}: {e}")
     finally:
         record["wall_s"] = round(time.perf_counter() - started, 4)
         record["env_s"] = round(record["env_s"], 4)
@@ -75,6 +75,10 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
         if hasattr(sample, "non_generation_time"):
             sample.non_generation_time = (sample.non_generation_time or 0.0) + record["env_s"]
     return sample
+
+
+def _phase(record: dict) -> str:
+    return record.get("failed_phase") or record["phase"]
 
 
 def _abort(sample: Any, args: Any, record: dict, reason: str) -> None:

@@ -370,7 +370,7 @@ def test_slime_exec_and_wait_with_weenv_sandbox(daemon):
             assert isinstance(sb, slime_sandbox.Sandbox)  # the runtime-checkable protocol
             # busybox has no bash; exec_and_wait's launcher needs one
             await sb.write_file("/bin/bash", "#!/bin/sh\nexec /bin/sh \"$@\"\n", mode=0o755)
-            code, out = await slime_sandbox.exec_and_wait(sb, cmd="echo from-slime; exit 5", time_budget_sec=60,
+            code, out = await slime_sandbox.exec_and_wait(sb, cmd="(echo from-slime; exit 5)", time_budget_sec=60,
                                                           tag="t1", want_output=True)
             assert (code, out) == (5, "from-slime\n")
 
@@ -523,11 +523,17 @@ def test_max_turns_and_length_truncate(daemon, fake_sglang):
     assert sample.status is Sample.Status.TRUNCATED and sample.reward == 0.0
     assert sample.metadata["weenv_run"]["end"] == "max_turns" and len(fake_sglang.requests) == 2
     # a small response budget: SGLang stops at "length"
-    fake_sglang.requests.clear()
     sample = Sample(index=1, prompt="p")
-    run(plugin_rollout.generate(args, sample, sampling_params(max_new_tokens=30)))
+    run(plugin_rollout.generate(args, sample, sampling_params(max_new_tokens=10)))
     assert sample.status is Sample.Status.TRUNCATED and sample.metadata["weenv_run"]["end"] == "length"
-    assert sample.response_length <= 30
+    assert sample.response_length == 10 and sample.response == "<bash>echo"
+    # room for a turn but not for its observation: the observation is left out
+    turn = len("<bash>echo again</bash>")
+    sample = Sample(index=2, prompt="p")
+    run(plugin_rollout.generate(args, sample, sampling_params(max_new_tokens=turn + 5)))
+    assert sample.status is Sample.Status.TRUNCATED and sample.metadata["weenv_run"]["end"] == "response_budget"
+    assert sample.response == "<bash>echo again</bash>" and sample.loss_mask == [1] * turn
+    assert sample.metadata["weenv_run"]["turns"][0]["calls"][0]["exit_code"] == 0
     assert _envs(daemon) == []
 
 
