@@ -36,10 +36,12 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup
+	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m benchmarks.run
 
 bench-quick: setup
-	$(PY) -m benchmarks.run --quick
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m benchmarks.run --quick --no-docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

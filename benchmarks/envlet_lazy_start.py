@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,11 +81,25 @@ def lazy_start(tmp: Path, proxy: ThrottleProxy, g, cmd: list[str]) -> tuple[floa
     try:
         proxy.reset_counters()
         t0 = time.perf_counter()
+        timeline: list[tuple[float, int]] = []
+        done = threading.Event()
+
+        def sample() -> None:  # bytes through the proxy over time, for the plot
+            while not done.is_set():
+                timeline.append((time.perf_counter() - t0, proxy.bytes_down))
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         info = env.client.register(StoreSpec("registry", registry=proxy.host, insecure=True), g.layer_digest,
                                    g.layer_size, g.toc_digest, repo=g.repo)
         run_until_output(info.path, cmd)
         elapsed = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        timeline.append((elapsed, proxy.bytes_down))
         stats = env.client.stats()
+        stats["timeline"] = timeline
         return elapsed, proxy.bytes_down, stats
     finally:
         env.stop()
@@ -150,6 +165,7 @@ def main() -> None:
                         t_, b_, stats["prefetch"] = lazy_start(tmp, proxy, gp, cmd)
                         runs["prefetch"].append((t_, b_))
                         runs["full"].append(full_start(tmp, proxy, g, cmd))
+                    report.series[f"{name}|full pull|seconds"] = [t for t, _ in runs["full"]]
                     ft = median([t for t, _ in runs["full"]])
                     fb = median([b for _, b in runs["full"]])
                     for kind, title in (("lazy", "lazy"), ("prefetch", "lazy + recorded prefetch list")):
@@ -161,6 +177,7 @@ def main() -> None:
                         report.add(f"{name}: {title}: bytes fetched", lb / 1e6, "MB", baseline=fb / 1e6,
                                    baseline_label="full blob", goal="≤15% of the image", ok=share <= 0.15)
                         st = stats[kind]
+                        report.series[f"{name}|{title}|bytes_over_time"] = st.get("timeline", [])
                         report.notes.append(f"{name}, {title}: {st['remote_fetches']} range reads, "
                                             f"{st['remote_chunks']} chunks, {share:.1%} of the image")
         finally:

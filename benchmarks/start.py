@@ -64,6 +64,8 @@ def main() -> None:
         report.add("create → first exec output", p50, "ms", p99=p99, baseline=b50, baseline_label="bare crun run",
                    goal="≤50 ms p50, ≤150 ms p99, ≤2.5x bare crun", ok=p50 <= 50 and p99 <= 150 and p50 <= 2.5 * b50)
         report.add("exec round trip (echo)", median(rtts) * 1000, "ms", p99=percentile(rtts, 99) * 1000)
+        report.series["start_ms"] = [x * 1000 for x in starts]
+        report.series["bare_crun_ms"] = [x * 1000 for x in bare]
         keys = sorted({k for s in steps for k in s})
         report.notes.append("daemon-side create steps, median ms: " + ", ".join(
             f"{k} {statistics.median([s.get(k, 0.0) for s in steps]):.1f}" for k in keys))

@@ -1,0 +1,83 @@
+"""``make bench``: run every benchmark, then write docs/benchmarks.md (tables and PNG plots).
+
+    python -m benchmarks.run [--quick] [--only NAME[,NAME…]] [--docs-only]
+
+Each benchmark runs as its own process (``python -m benchmarks.NAME``) and saves its results in
+benchmarks/results/NAME[.quick].json; a benchmark that fails is reported and the others go on.
+``--quick`` is the smoke run CI does on every change: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCHMARKS = [
+    # (module, what it compares, timeout of a full run in seconds)
+    ("layer_build", "layer build vs tar | zstd; TOC open time", 1800),
+    ("registry_range", "store Range reads vs raw httpx; republish; upload vs oras", 900),
+    ("envlet_read", "envlet reads vs native ext4", 900),
+    ("envlet_lazy_start", "cold start: lazy envlet vs full pull + extract", 2400),
+    ("start_crun", "runtime: create+start+exec vs bare crun run", 900),
+    ("start", "warm start through the daemon vs bare crun run", 900),
+    ("snapshot", "pause, resume, commit, fork vs cp -a", 900),
+    ("monitor_overhead", "monitor CPU per 100 envs", 900),
+    ("density", "density and overcommit: static vs elastic sizing", 3600),
+    ("rollout", "slime rollout step: fresh env per sample vs fork per group", 1800),
+    ("package", "task packaging: group per task vs image per task", 1800),
+]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_one(name: str, quick: bool, timeout_s: float) -> tuple[bool, float, str]:
+    module = f"benchmarks.{name}"
+    if not (ROOT / "benchmarks" / f"{name}.py").exists():
+        return False, 0.0, "not written yet"
+    cmd = [sys.executable, "-m", module, *(["--quick"] if quick else [])]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout_s if not quick else 300, text=True,
+                           capture_output=True)
+    except subprocess.TimeoutExpired:
+        return False, time.perf_counter() - t0, "timed out"
+    out = (p.stdout + p.stderr)[-3000:]
+    sys.stdout.write(p.stdout[-6000:])
+    return p.returncode == 0, time.perf_counter() - t0, "" if p.returncode == 0 else out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--docs-only", action="store_true", help="regenerate docs/benchmarks.md from saved results")
+    ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md (CI smoke runs)")
+    args = ap.parse_args()
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    failures: list[tuple[str, str]] = []
+    if not args.docs_only:
+        for name, what, timeout_s in BENCHMARKS:
+            if only and name not in only:
+                continue
+            print(f"=== {name}: {what}", flush=True)
+            ok, seconds, detail = run_one(name, args.quick, timeout_s)
+            print(f"=== {name}: {'ok' if ok else 'FAILED'} in {seconds:.0f}s", flush=True)
+            if not ok:
+                failures.append((name, detail))
+                print(detail, flush=True)
+    if not args.no_docs:
+        from ._docs import write_docs
+
+        path = write_docs(quick=args.quick, failures=failures)
+        print(f"wrote {path}")
+    if failures:
+        print("failed:", ", ".join(n for n, _ in failures))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
