@@ -224,3 +224,16 @@ def test_cli_up_exec_ps_kill(daemon):
     weenv_cli("kill", env_id)
     r = weenv_cli("exec", env_id, "--", "true", check=False)
     assert r.returncode == 1 and "no such env" in r.stderr
+
+
+def test_a_pulled_image_config_becomes_plan_defaults(daemon, busybox_oci, tmp_path, monkeypatch):
+    from weenv.registry import pull
+
+    monkeypatch.setenv("WEENV_HOME", daemon.home)
+    pull(f"oci:{busybox_oci}:bb", name="imported/bb:v1")
+    plan = tmp_path / "imported.toml"
+    plan.write_text('name = "imported"\n[[groups]]\nname = "os"\nref = "imported/bb:v1"\nclass = "os"\n'
+                    '[env]\nPLAN = "wins"\n[resources.cpu]\nmin = 0.05\nmax = 1.0\n')
+    with daemon.client() as c, c.create(str(plan)) as env:
+        out = env.exec(["sh", "-c", "echo $FOO $PLAN; pwd; id -u"]).stdout
+        assert out == b"bar wins\n/srv\n1000\n"

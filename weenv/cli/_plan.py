@@ -88,6 +88,24 @@ def _default_lock_path(plan_path: str) -> str:
     return (root if ext in (".toml", ".json") else plan_path) + ".lock"
 
 
+def _with_image_defaults(lock: planlib.Lock, resolver: object, plan_path: str) -> planlib.Lock:
+    """Groups imported by `weenv pull` carry their image config: take Env/WorkingDir/User as defaults."""
+    try:
+        from ..registry import RegistryError, image_config, resolve_group
+    except ImportError:
+        return lock
+    if resolver is not resolve_group:  # a substitute resolver (tests) knows no image configs
+        return lock
+    try:
+        for g in reversed(lock.groups):
+            defaults = planlib.plan_defaults_from_image(image_config(g.pinned_ref))
+            if defaults:
+                lock = planlib.apply_image_defaults(lock, defaults)
+    except RegistryError as e:
+        raise click.ClickException(f"{plan_path}: reading image configs: {e}") from None
+    return lock
+
+
 @plan_group.command("lock")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
@@ -98,10 +116,12 @@ def _default_lock_path(plan_path: str) -> str:
 def lock_cmd(plan_path: str, output: str | None, as_json: bool) -> None:
     """Pin every group of PLAN to its manifest, layer and TOC digests."""
     p = planlib.load_any(plan_path)
+    resolver = _resolver()
     try:
-        lock = planlib.lock_plan(p, _resolver())
+        lock = planlib.lock_plan(p, resolver)
     except planlib.LockError as e:
         raise click.ClickException(f"{plan_path}: {e}") from None
+    lock = _with_image_defaults(lock, resolver, plan_path)
     out = output or _default_lock_path(plan_path)
     if out == "-":
         sys.stdout.write(planlib.dump_plan(lock, "toml"))

@@ -21,7 +21,7 @@ import trio
 
 from .. import _home, layerfmt
 from ..envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
-from ..plan import Lock, LockedGroup, Plan, apply_overrides, is_locked, lock_plan, plan_to_builtins
+from ..plan import Lock, LockedGroup, Plan, apply_overrides, is_locked, plan_to_builtins
 from ..registry import LayoutStore
 from . import _mounts, _state
 from ._errors import (
@@ -66,9 +66,9 @@ def lock_for(plan: Plan) -> Lock:
     """A lock for ``plan``: locks pass through (never resolving a tag), plans are resolved now."""
     if is_locked(plan):
         return plan  # type: ignore[return-value]
-    from ..registry import resolve_group
+    from .._locking import lock_with_image_defaults
 
-    return lock_plan(plan, resolve_group)
+    return lock_with_image_defaults(plan)
 
 
 class _Stopwatch:
