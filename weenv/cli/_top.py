@@ -50,8 +50,9 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
     stats = top.get("statistics") or {}
     admission = top.get("admission") or {}
     envs = top.get("envs") or {}
+    plural = "" if len(envs) == 1 else "s"
     head = Text(
-        f"{len(envs)} env{'' if len(envs) == 1 else 's'} · memory {_bytes(node.get('memory_available_bytes'))} available of "
+        f"{len(envs)} env{plural} · memory {_bytes(node.get('memory_available_bytes'))} available of "
         f"{_bytes(node.get('memory_total_bytes'))}, {_bytes(node.get('memory_promised_bytes'))} promised, "
         f"headroom {_bytes(max(0, node['memory_headroom_bytes'])) if 'memory_headroom_bytes' in node else '-'} · "
         f"cpu burst {_cores(node.get('cpu_burst_committed_cores'))} of {_cores(node.get('cpu_cores'))} cores · "

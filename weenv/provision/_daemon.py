@@ -104,7 +104,8 @@ class Daemon:
         c = self.config
         self.monitor = Monitor(self.backend.node_memory, interval_ms=c.monitor_interval_ms, cfg=c.policy,
                                cpu_cores=c.monitor_cpu_cores, offload=c.monitor_offload,
-                               idle_memory_refresh_s=c.monitor_idle_memory_refresh_s)
+                               idle_memory_refresh_s=c.monitor_idle_memory_refresh_s,
+                               usage_ns=self.backend.usage_ns)
         self.envlet_socket = os.path.join(self.run_dir, "envlet.sock")
         self.envlet = EnvletClient(self.envlet_socket)
         self.manager = EnvManager(envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend,

@@ -60,12 +60,14 @@ class MonitorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Envs :meth:`Monitor.admit` refused (their min did not fit)."""
     fast_steps: int = 0
     """Steps run between ticks for envs whose tasks stalled at their memory limit."""
+    quiet_ticks: int = 0
+    """Ticks in which no group had used CPU: only unsettled envs and due memory refreshes were read."""
 
 
 class _Env:
     __slots__ = (
         "env_id", "cgroup", "limits", "memory_limits", "state", "last", "metrics", "last_change", "decision",
-        "error", "key", "settled", "watch",
+        "error", "key", "settled", "watch", "sampled_s",
     )  # fmt: skip
 
     def __init__(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, state: EnvQuotaState):
@@ -90,6 +92,8 @@ class _Env:
         self.settled = False
         #: The memory event descriptor run() waits on, if any.
         self.watch: int | None = None
+        #: When a tick last sampled it (quiet ticks skip settled envs; see Monitor.tick).
+        self.sampled_s = float("-inf")
 
 
 class Monitor:
@@ -103,6 +107,8 @@ class Monitor:
     ``"none"`` (deterministic tests under an autojumping clock).
     ``idle_memory_refresh_s``: how stale the memory usage of a group that has not run may get
     (see :meth:`Cgroup.sample`); 0 reads it every tick.
+    ``usage_ns``: the CPU time of all groups together (a backend's ``usage_ns``); when it has not
+    moved since the last tick no group ran, and settled envs are not sampled at all (quiet tick).
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class Monitor:
         cpu_cores: float | None = None,
         offload: str = "all",
         idle_memory_refresh_s: float = 1.0,
+        usage_ns: Callable[[], int | None] | None = None,
     ):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be > 0, got {interval_ms}")
@@ -125,6 +132,9 @@ class Monitor:
             raise ValueError(f"offload must be 'all', 'apply' or 'none', got {offload!r}")
         self._offload = offload
         self.idle_memory_refresh_s = idle_memory_refresh_s
+        self._usage_ns = usage_ns
+        self._last_usage_ns: int | None = None
+        self._quiet_ticks = 0
         self._envs: dict[str, _Env] = {}
         self._ticks = 0
         self._late_ticks = 0
@@ -298,15 +308,39 @@ class Monitor:
         return fn(*args)
 
     async def tick(self) -> None:
-        """Sample every env, decide, apply. Public so tests and ``weenv top --once`` can step it."""
+        """Sample every env, decide, apply. Public so tests and ``weenv top --once`` can step it.
+
+        A quiet tick (no group used CPU since the last tick, by the backend's ``usage_ns``) only
+        samples the envs that are not settled or whose memory reading is due for a refresh: the
+        others' counters cannot have moved, so decide() would repeat itself for them.
+        """
         started = trio.current_time()
-        await self._step(list(self._envs.values()), fast=False)
+        envs = list(self._envs.values())
+        quiet = False
+        if self._usage_ns is not None:
+            try:
+                usage = self._usage_ns()
+            except CgroupError as exc:
+                log.debug("cannot read the groups' total CPU usage: %s", exc)
+                usage = None
+            quiet = usage is not None and usage == self._last_usage_ns
+            self._last_usage_ns = usage
+        if quiet:
+            due_s = started - self.idle_memory_refresh_s
+            envs = [env for env in envs if not env.settled or env.sampled_s <= due_s]
+            self._quiet_ticks += 1
+            if envs or started - self._node_read_s >= 1.0:
+                await self._step(envs, fast=False, partial=True)
+        else:
+            await self._step(envs, fast=False)
         self._ticks += 1
         self._last_tick_s = trio.current_time() - started
 
-    async def _step(self, envs: list[_Env], *, fast: bool) -> None:
+    async def _step(self, envs: list[_Env], *, fast: bool, partial: bool = False) -> None:
         """Sample ``envs``, decide, apply. A fast step (envs stalled at their memory limit,
-        between ticks) decides memory only and counts every other env as of its last sample."""
+        between ticks) decides memory only. A fast or partial step counts every other env as of
+        its last sample."""
+        partial = partial or fast
         started = trio.current_time()
         # The node's memory matters when some env may ask for more; when every env is settled it
         # is only refreshed for views, once a second (/proc/meminfo is not free).
@@ -316,8 +350,10 @@ class Monitor:
             or started - self._node_read_s >= 1.0
             or not all(env.settled for env in envs)
         )
+        # A partial (quiet) tick samples settled envs only for their memory refresh: read it now.
         samples, node_memory = await self._call(
-            self._offload == "all" and not fast, self._sample_all, envs, need_node
+            self._offload == "all" and not fast, self._sample_all, envs, need_node,
+            0.0 if partial and not fast else self.idle_memory_refresh_s,
         )
         if node_memory is None:
             assert self._node is not None
@@ -333,6 +369,8 @@ class Monitor:
         for env, sample in zip(envs, samples):
             if live.get(env.env_id) is not env:
                 continue  # removed while we sampled
+            if not fast:
+                env.sampled_s = started
             if sample.__class__ is CgroupSample:
                 env.error = None
                 key = (
@@ -355,7 +393,7 @@ class Monitor:
                 env.error = str(sample)
                 sample = env.last
             committed, promised = self._add_commitments(env, sample, committed, promised)
-        if fast:
+        if partial:
             stepped = {env.env_id for env in envs}
             for env in live.values():
                 if env.env_id not in stepped:
@@ -421,10 +459,9 @@ class Monitor:
     # -- worker-thread halves ------------------------------------------------------------------
 
     def _sample_all(
-        self, envs: list[_Env], need_node: bool = True
+        self, envs: list[_Env], need_node: bool = True, age_s: float = 1.0
     ) -> tuple[list[CgroupSample | CgroupError], tuple[int, int] | None]:
         out: list[CgroupSample | CgroupError] = []
-        age_s = self.idle_memory_refresh_s
         for env in envs:
             try:
                 out.append(env.cgroup.sample(memory_max_age_s=age_s))
@@ -532,6 +569,7 @@ class Monitor:
         return MonitorStatistics(
             envs=len(self._envs), ticks=self._ticks, late_ticks=self._late_ticks, last_tick_s=self._last_tick_s,
             admitted=self._admitted, admission_refusals=self._admission_refusals, fast_steps=self._fast_steps,
+            quiet_ticks=self._quiet_ticks,
         )
 
     def totals(self) -> EnvMetrics:

@@ -204,6 +204,12 @@ class CgroupBackend(abc.ABC):
         """``(total_bytes, available_bytes)`` for the node, capped by the limits of the cgroups
         weenv's parent sits in."""
 
+    def usage_ns(self) -> int | None:
+        """CPU time used by all of weenv's groups together (the parent's hierarchical counter),
+        or None when the backend cannot tell. Unchanged between two readings means no group
+        ran, so none of their counters moved: the monitor then skips reading them one by one."""
+        return None
+
     def remove_parent(self) -> bool:
         """Remove weenv's (then empty) parent group; False if groups remain. For tests and
         ``weenv gc``; the daemon keeps its parent."""

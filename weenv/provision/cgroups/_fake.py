@@ -238,5 +238,13 @@ class FakeBackend(CgroupBackend):
         used = self.other_used_bytes + sum(g.memory_usage_bytes for g in self._groups.values())
         return self.memory_total_bytes, max(0, self.memory_total_bytes - used)
 
+    def usage_ns(self) -> int | None:
+        total = 0
+        for g in list(self._groups.values()):
+            with g._lock:
+                g._advance()
+                total += int(g._usage_ns)
+        return total
+
     def remove_parent(self) -> bool:
         return not self._groups

@@ -397,6 +397,7 @@ class V1Backend(CgroupBackend):
                 with translate_oserror(None, d):
                     raise exc from None
         self.features = self._probe_features()
+        self._files = FileCache(self._fs)
 
     def _probe_features(self) -> frozenset[str]:
         fs = self._fs
@@ -490,9 +491,18 @@ class V1Backend(CgroupBackend):
             d = os.path.dirname(d)
         return total, min(available, total)
 
+    def usage_ns(self) -> int | None:
+        d = self._parents.get("cpuacct")
+        if d is None:
+            return None
+        path = f"{d}/cpuacct.usage"
+        with translate_oserror(None, path):
+            return int(self._files.read(path))
+
     def remove_parent(self) -> bool:
         if self.list():
             return False
+        self._files.close()
         for d in self.parent_dirs:
             try:
                 self._fs.rmdir(d)

@@ -286,6 +286,7 @@ class V2Backend(CgroupBackend):
             with translate_oserror(None, self.parent_dir):
                 raise exc from None
         self.features = self._enable_controllers()
+        self._files = FileCache(self._fs)
 
     def _enable_controllers(self) -> frozenset[str]:
         fs = self._fs
@@ -360,9 +361,17 @@ class V2Backend(CgroupBackend):
             d = os.path.dirname(d)
         return total, min(available, total)
 
+    def usage_ns(self) -> int | None:
+        path = f"{self.parent_dir}/cpu.stat"  # usage_usec is there with or without the cpu controller
+        with translate_oserror(None, path):
+            stat = parse_flat_keyed(self._files.read(path))
+        usage = stat.get(b"usage_usec")
+        return None if usage is None else usage * 1000
+
     def remove_parent(self) -> bool:
         if self.list():
             return False
+        self._files.close()
         try:
             self._fs.rmdir(self.parent_dir)
         except FileNotFoundError:
