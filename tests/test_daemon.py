@@ -237,3 +237,56 @@ def test_a_pulled_image_config_becomes_plan_defaults(daemon, busybox_oci, tmp_pa
     with daemon.client() as c, c.create(str(plan)) as env:
         out = env.exec(["sh", "-c", "echo $FOO $PLAN; pwd; id -u"]).stdout
         assert out == b"bar wins\n/srv\n1000\n"
+
+
+def test_warm_pool_hands_out_started_envs_and_drops_idle_pools(tmp_path, monkeypatch):
+    import tempfile
+
+    from .fixtures_daemon import DaemonHandle, busybox_plan
+
+    home = tempfile.mkdtemp(prefix="weenv-pool-")
+    plan, lock = busybox_plan(home, "pool")
+    d = DaemonHandle(home, os.path.join(home, "run", "weenv.sock"), f"weenv-pool-{os.getpid()}", lock, plan,
+                     os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
+    monkeypatch.setenv("WEENV_POOL_SIZE", "2")
+    monkeypatch.setenv("WEENV_POOL_IDLE_S", "3")
+    d.start()
+    try:
+        with d.client() as c:
+            first = c.create(lock)
+            assert "pool" not in first.info["timings_ms"]  # a miss starts the pool
+            assert wait_for(lambda: len(os.listdir(os.path.join(home, "envs"))) == 3, timeout_s=20)
+            time.sleep(0.5)  # the second pooled env finishes starting
+            second, third = c.create(lock, ttl_s=30), c.create(lock)
+            assert "pool" in second.info["timings_ms"] and "pool" in third.info["timings_ms"]
+            assert second.info["expires_s"] is not None  # the TTL starts at hand-out
+            second.exec(["sh", "-c", "echo mine > /tmp/f"])
+            assert third.exec(["cat", "/tmp/f"]).exit_code != 0  # pooled envs are independent
+            assert {e["id"] for e in c.list()} == {first.id, second.id, third.id}  # pooled ones are not listed
+            for e in (first, second, third):
+                e.kill()
+            # nobody asks for this lock any more: its pool goes after the idle time
+            assert wait_for(lambda: os.listdir(os.path.join(home, "envs")) == [], timeout_s=30)
+    finally:
+        with d.client() as c:
+            for e in c.list():
+                c.get(e["id"]).kill()
+            c.gc()
+        d.stop()
+        try:
+            from weenv.envlet import EnvletClient
+
+            os.kill(EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"], 15)
+            time.sleep(1)
+        except Exception:
+            pass
+        subprocess.run(["fusermount3", "-u", "-z", os.path.join(home, "envlet", "mnt")], capture_output=True)
+        left = leftovers(d)
+        from weenv.provision.cgroups import detect_backend
+
+        detect_backend(d.cgroup_root).remove_parent()
+        import shutil
+
+        log = d.log()
+        shutil.rmtree(home, ignore_errors=True)
+        assert left == [], log[-5000:]

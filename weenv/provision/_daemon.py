@@ -61,6 +61,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     envlet_check_interval_s: float = 2.0
     cgroup_root: str = "weenv"  # weenv's parent group, under this process's own cgroup
     use_agent: bool = True  # weenv-agent as the env init (fast exec); False: catatonit + crun exec
+    # envs kept started per recently used lock, handed out by create (0: off; env WEENV_POOL_SIZE)
+    pool_size: int = msgspec.field(default_factory=lambda: int(os.environ.get("WEENV_POOL_SIZE", "0") or 0))
+    pool_idle_s: float = msgspec.field(  # a lock's pool is dropped after this long without a create
+        default_factory=lambda: float(os.environ.get("WEENV_POOL_IDLE_S", "120") or 120))
 
 
 def _error(e: BaseException) -> HTTPError:
@@ -159,6 +163,9 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.manager.nursery = nursery
+            self.manager.pool_size = self.config.pool_size
+            if self.config.pool_size:
+                nursery.start_soon(self.manager.pool_janitor, self.config.pool_idle_s)
             await nursery.start(self.monitor.run)
             nursery.start_soon(self.manager.ttl_loop)
             nursery.start_soon(self._supervise_envlet)
@@ -236,7 +243,8 @@ class Daemon:
         async def ps(req: Request) -> Response:
             top = self.monitor.snapshot().get("envs", {})
             return json_response([{**rec.public(self.envs_dir), "resources": top.get(rec.id)}
-                                  for rec in m.envs.values()])
+                                  for rec in m.envs.values()
+                                  if rec.status != "pooled" and rec.id not in m.pool_starting])
 
         @r.route("GET", "/v1/envs/{id}")
         async def show(req: Request) -> Response:

@@ -71,6 +71,13 @@ def lock_for(plan: Plan) -> Lock:
     return lock_with_image_defaults(plan)
 
 
+def _pool_key(lock: Lock) -> str:
+    """Envs are interchangeable when their locks are equal but for the TTL (it starts at hand-out)."""
+    data = plan_to_builtins(lock)
+    data.pop("ttl_s", None)
+    return json.dumps(data, sort_keys=True)
+
+
 class _Stopwatch:
     """Records milliseconds since the previous mark under each name (create's timing breakdown)."""
 
@@ -101,6 +108,11 @@ class EnvManager:
         self.snapshots = SnapshotStore(os.path.join(os.path.dirname(envs_dir), "snapshots"))
         self.agent_path: str | None = None  # weenv-agent binary; None: envs use catatonit + crun exec
         self.nursery: trio.Nursery | None = None  # for background work (set by the daemon)
+        self.pool_size = 0  # envs kept started and idle per lock (0: no warm pool)
+        self._pools: dict[str, list[str]] = {}
+        self._pool_used: dict[str, float] = {}
+        self._refilling: set[str] = set()
+        self.pool_starting: set[str] = set()  # envs being started for a pool (not listed)
         self._store: LayoutStore | None = None
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
 
@@ -135,15 +147,35 @@ class EnvManager:
         """
         t0 = time.perf_counter()
         lock = await trio.to_thread.run_sync(lock_for, plan)
+        if not snapshot_layers and self.pool_size > 0:
+            key = _pool_key(lock)
+            self._pool_used[key] = time.monotonic()
+            taken = self._take_pooled(key)
+            self._refill_later(key, lock)
+            if taken is not None:
+                taken.timings_ms = {"pool": round((time.perf_counter() - t0) * 1000, 3)}
+                if lock.ttl_s:
+                    taken.expires_s = time.time() + lock.ttl_s
+                self._save(taken)
+                log.info("env %s handed out from the warm pool", taken.id)
+                return taken
+        return await self._create(lock, t0, snapshot=snapshot, parent=parent, snapshot_layers=snapshot_layers)
+
+    async def _create(self, lock: Lock, t0: float, *, snapshot: str | None = None, parent: str | None = None,
+                      snapshot_layers: Sequence[SnapshotLayer] = (), pooled: bool = False) -> EnvRecord:
         limits = env_limits(lock)
         admission = self.monitor.admit(limits)
+        while not admission and not pooled and await self._evict_one_pooled():
+            admission = self.monitor.admit(limits)  # pooled envs make way for real ones
         if not admission:
             raise AdmissionError(f"not admitted: {admission.reason}")
         rec = EnvRecord(id=_state.new_env_id(lock.name), name=lock.name, lock=plan_to_builtins(lock),
                         snapshot=snapshot, parent=parent,
                         snapshot_layers=[msgspec.to_builtins(layer) for layer in snapshot_layers])
-        if lock.ttl_s:
+        if lock.ttl_s and not pooled:
             rec.expires_s = time.time() + lock.ttl_s
+        if pooled:
+            self.pool_starting.add(rec.id)
         self.envs[rec.id] = rec
         rec.timings_ms["lock"] = (time.perf_counter() - t0) * 1000
         async with self._lock(rec.id):
@@ -157,8 +189,76 @@ class EnvManager:
                 if isinstance(e, (ProvisionError, EnvletError)):
                     raise EnvStartError(str(e), env_id=rec.id) from e
                 raise
-        log.info("env %s running (%d layers)", rec.id, len(rec.layers))
+        if pooled:
+            rec.status = "pooled"
+            self.pool_starting.discard(rec.id)
+            self._save(rec)
+        log.info("env %s %s (%d layers)", rec.id, "pooled" if pooled else "running", len(rec.layers))
         return rec
+
+    # ------------------------------------------------------------------ warm pool
+
+    def _take_pooled(self, key: str) -> EnvRecord | None:
+        ids = self._pools.get(key)
+        while ids:
+            rec = self.envs.get(ids.pop())
+            if rec is not None and rec.status == "pooled":
+                rec.status = "running"
+                rec.created_s = time.time()
+                return rec
+        return None
+
+    def _refill_later(self, key: str, lock: Lock) -> None:
+        if self.nursery is None or key in self._refilling:
+            return
+        self._refilling.add(key)
+        self.nursery.start_soon(self._refill, key, lock)
+
+    async def _refill(self, key: str, lock: Lock) -> None:
+        """Keep ``pool_size`` envs of this lock started and idle, one at a time, in the background."""
+        try:
+            while len(self._pools.get(key, ())) < self.pool_size and key in self._pool_used:
+                rec = await self._create(lock, time.perf_counter(), pooled=True)
+                if key not in self._pool_used:  # dropped (idle, or gc) while this one was starting
+                    await self.kill(rec.id)
+                    break
+                self._pools.setdefault(key, []).append(rec.id)
+        except (ProvisionError, EnvletError) as e:
+            log.info("warm pool: no refill for %s: %s", lock.name, e)
+        finally:
+            self._refilling.discard(key)
+
+    async def _evict_one_pooled(self) -> bool:
+        for key, ids in self._pools.items():
+            while ids:
+                rec = self.envs.get(ids.pop(0))
+                if rec is not None and rec.status == "pooled":
+                    await self.kill(rec.id)
+                    return True
+        return False
+
+    async def drain_pools(self) -> list[str]:
+        """Kill every pooled env and forget the pools (gc, shutdown of the pool)."""
+        self._pool_used.clear()
+        killed = []
+        for key in list(self._pools):
+            for env_id in self._pools.pop(key, []):
+                if env_id in self.envs and self.envs[env_id].status == "pooled":
+                    await self.kill(env_id)
+                    killed.append(env_id)
+        return killed
+
+    async def pool_janitor(self, idle_s: float = 120.0, interval_s: float = 5.0) -> None:
+        """Drop the pools of locks nobody asked for lately."""
+        while True:
+            await trio.sleep(interval_s)
+            now = time.monotonic()
+            for key, last in list(self._pool_used.items()):
+                if now - last > idle_s:
+                    del self._pool_used[key]
+                    for env_id in self._pools.pop(key, []):
+                        if env_id in self.envs and self.envs[env_id].status == "pooled":
+                            await self.kill(env_id)
 
     async def _start(self, rec: EnvRecord, lock: Lock, limits: EnvLimits) -> None:
         local = StoreSpec("layout", path=_home.store_dir())
@@ -301,6 +401,9 @@ class EnvManager:
 
     async def kill(self, env_id: str) -> None:
         rec = self.get(env_id)
+        for ids in self._pools.values():
+            if env_id in ids:
+                ids.remove(env_id)
         async with self._lock(env_id):
             if env_id not in self.envs:
                 return
@@ -576,9 +679,10 @@ class EnvManager:
     async def gc(self) -> dict[str, Any]:
         """Remove whatever dead envs left behind: idempotent, safe to run at any time."""
         out: dict[str, Any] = {"envs": [], "containers": [], "cgroups": [], "mounts": [], "dirs": [], "layers": []}
+        out["pooled"] = await self.drain_pools()
         for rec in list(self.envs.values()):  # failed envs, and live ones whose container died
             dead = rec.status in ("failed", "stopping")
-            if rec.status in ("running", "paused"):
+            if rec.status in ("running", "paused", "pooled"):
                 try:
                     st = await self.runtime.state(rec.id)
                     dead = st.status not in ("running", "paused")

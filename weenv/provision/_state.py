@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
-EnvStatus = Literal["creating", "running", "paused", "stopping", "failed"]
+EnvStatus = Literal["creating", "pooled", "running", "paused", "stopping", "failed"]
 STATE_FILE = "state.json"
 
 
