@@ -51,6 +51,8 @@ def _plot_start(data: dict[str, Any]) -> str | None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.hist(s["start_ms"], bins=40, alpha=0.7, label="weenv: create → first exec output")
+    if s.get("start_pool_ms"):
+        ax.hist(s["start_pool_ms"], bins=40, alpha=0.7, label="weenv with a warm pool of 2")
     if s.get("bare_crun_ms"):
         ax.hist(s["bare_crun_ms"], bins=40, alpha=0.7, label="bare crun run (echo)")
     ax.set_xlabel("milliseconds")
