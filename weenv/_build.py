@@ -24,7 +24,9 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -158,35 +160,176 @@ def _file_digest(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-class _Cache:
-    def __init__(self, path: str):
-        self.path = path
-        try:
-            with open(path) as f:
-                self.data: dict[str, str] = json.load(f)
-        except (OSError, ValueError):
-            self.data = {}
+class StepCache:
+    """Step key → snapshot id, one small file per key under ``$WEENV_HOME/cache/steps``.
+
+    One file per key (written temp + rename) so that concurrent builds, threads of ``weenv package``
+    or separate processes, never lose each other's entries.
+    """
+
+    def __init__(self, root: str | None = None):
+        self.root = root or os.path.join(_home.home(), "cache", "steps")
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, key)
 
     def get(self, key: str) -> str | None:
-        return self.data.get(key)
+        try:
+            with open(self._path(key), encoding="utf-8") as f:
+                snap = f.read().strip()
+        except OSError:
+            return None
+        return snap if snap.startswith("snap-") else None
 
     def put(self, key: str, snap: str) -> None:
-        self.data[key] = snap
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f)
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            tmp = f"{self._path(key)}.tmp-{os.getpid()}-{threading.get_ident()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(snap)
+            os.replace(tmp, self._path(key))
+        except OSError:
+            pass  # the cache only saves time
 
 
 def _tail(data: bytes, n: int = 2000) -> str:
     return data[-n:].decode("utf-8", "replace")
 
 
+class StepFailedError(BuildError):
+    """Raised when a RUN step exits non-zero; carries the exit code and the tail of its output."""
+
+    def __init__(self, message: str, *, index: int, exit_code: int, output_tail: str, timed_out: bool):
+        super().__init__(message)
+        self.index, self.exit_code, self.output_tail, self.timed_out = index, exit_code, output_tail, timed_out
+
+
+@dataclass
+class StepsOutcome:
+    """Where :func:`run_steps` left the build: the last snapshot and the ENV/WORKDIR/USER in force."""
+
+    key: str
+    snapshot: str | None
+    env_vars: dict[str, str]
+    workdir: str | None
+    user: str | None
+    steps: list[StepResult]
+
+    @property
+    def created_snapshots(self) -> list[str]:
+        """Snapshots this run made (not taken from the cache)."""
+        return [s.snapshot for s in self.steps if not s.cached and s.snapshot and s.kind in ("run", "copy")]
+
+
+def _step_label(i: int, step: Step) -> str:
+    return f"step {i + 1} ({step.kind()} {step.run!r})" if step.run is not None else f"step {i + 1} ({step.kind()})"
+
+
+def base_key(lock: Any) -> str:
+    """The cache key of starting from a plan lock: its pinned layers and how it runs."""
+    return _sha("lock", [(g.digest, g.layer_digest) for g in lock.groups])
+
+
+def run_steps(c: Client, steps: list[Step], *, start: dict[str, Any] | str, key: str, context: str | None = None,
+              cache: StepCache | None = None, say: Callable[[str], Any] | None = None,
+              label: Callable[[int, Step], str] = _step_label,
+              on_step: Callable[[int, Step], Any] | None = None) -> StepsOutcome:
+    """Run ``steps`` from ``start`` (a plan/lock as builtins, or a snapshot id), one env per RUN/COPY step.
+
+    ``key`` identifies the start; each step's cache key chains it with the step and the
+    ENV/WORKDIR/USER in force (and the copied files' digests), so an unchanged prefix of steps is
+    taken from ``cache`` as long as its snapshot still exists. A failing RUN raises
+    :class:`StepFailedError` (named by ``label``); no env is left running either way.
+    """
+    say = say or (lambda msg: None)
+    cache = cache or StepCache()
+    current_snapshot: str | None = start if isinstance(start, str) else None
+    env_vars: dict[str, str] = {}
+    workdir: str | None = None
+    user: str | None = None
+    results: list[StepResult] = []
+
+    def start_env() -> Env:
+        return c.create(current_snapshot if current_snapshot is not None else start)
+
+    for i, step in enumerate(steps):
+        kind = step.kind()
+        if on_step is not None:
+            on_step(i, step)
+        t0 = time.perf_counter()
+        if kind in ("env", "workdir", "user"):
+            if kind == "env":
+                env_vars.update(step.env or {})
+            elif kind == "workdir":
+                workdir = step.workdir
+            else:
+                user = step.user
+            key = _sha(key, i, kind, msgspec.to_builtins(step))
+            results.append(StepResult(i, kind, True, 0.0, current_snapshot))
+            continue
+        files: list[tuple[str, str, int]] = []
+        if kind == "copy":
+            assert step.copy is not None
+            if context is None:
+                raise BuildError(f"{label(i, step)}: COPY needs a build context")
+            files = _copy_files(context, step.copy.src)
+            key = _sha(key, i, kind, msgspec.to_builtins(step), [(rel, mode, _file_digest(p)) for p, rel, mode in files])
+        else:
+            key = _sha(key, i, kind, step.run, env_vars, workdir, user)
+        cached = cache.get(key)
+        if cached is not None:
+            try:
+                c._request("GET", f"/v1/snapshots/{cached}")
+                current_snapshot = cached
+                results.append(StepResult(i, kind, True, time.perf_counter() - t0, cached))
+                say(f"step {i + 1}/{len(steps)} {kind}: cached ({cached})")
+                continue
+            except WeenvError:
+                pass  # the cached snapshot was deleted: build the step again
+        env = start_env()
+        try:
+            if kind == "run":
+                assert step.run is not None
+                r = env.exec(["/bin/sh", "-c", step.run], env=env_vars or None, cwd=workdir, user=user,
+                             timeout_s=step.timeout_s)
+                if r.exit_code != 0:
+                    detail = _tail(r.stdout + r.stderr)
+                    raise StepFailedError(
+                        f"{label(i, step)} failed with exit code {r.exit_code}"
+                        f"{' (timed out)' if r.timed_out else ''}; output tail:\n{detail}",
+                        index=i, exit_code=r.exit_code, output_tail=detail, timed_out=r.timed_out)
+            else:
+                assert step.copy is not None and context is not None
+                dest = step.copy.dest
+                single = len(files) == 1 and os.path.isfile(os.path.join(context, step.copy.src))
+                for host_path, rel, mode in files:
+                    target = dest if single and not dest.endswith("/") else os.path.join(dest, rel)
+                    with open(host_path, "rb") as f:
+                        env.write_file(target, f.read(), mode=step.copy.mode or mode, user=user)
+            current_snapshot = c._request("POST", f"/v1/envs/{env.id}/commit", json={}).json()["snapshot"]
+        finally:
+            env.kill()
+        cache.put(key, current_snapshot)
+        results.append(StepResult(i, kind, False, time.perf_counter() - t0, current_snapshot))
+        say(f"step {i + 1}/{len(steps)} {kind}: done in {time.perf_counter() - t0:.1f}s ({current_snapshot})")
+    return StepsOutcome(key, current_snapshot, env_vars, workdir, user, results)
+
+
+def locked_group(pub: Any, *, name: str, group_class: str) -> Any:
+    """The lock entry of a group just published (``pub``: a registry PublishResult)."""
+    from .plan import LockedGroup
+    from .registry import parse_ref
+
+    r = parse_ref(pub.ref)
+    return LockedGroup(name=name, ref=pub.ref, group_class=group_class, digest=pub.digest,
+                       layer_digest=pub.layer_digest, layer_size=pub.size, toc_digest=pub.toc_digest,
+                       registry=r.registry, repo=r.repo)
+
+
 def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None, client: Client | None = None,
           log: Any = None) -> BuildResult:
     """Run a build spec; returns the published group and the written plan lock."""
-    from .plan import Lock, LockedGroup, load_any, lock_plan, write_plan
+    from .plan import Lock, load_any, lock_plan, write_plan
     from .registry import publish_layer_file, resolve_group
 
     spec = load_spec(spec_path)
@@ -195,18 +338,16 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
     say = log or (lambda msg: None)
     own_client = client is None
     c = client or Client()
-    cache = _Cache(os.path.join(_home.home(), "cache", "build.json"))
     try:
         # ---- FROM
         base_lock: Lock | None
-        current_snapshot: str | None = None
+        start: dict[str, Any] | str
         frm = spec.from_
         if frm.startswith("snap-"):
             snap_info = c._request("GET", f"/v1/snapshots/{frm}").json()
             base_lock = None  # the snapshot's own lock, read at the end
-            current_snapshot = frm
-            base_key = _sha("snapshot", frm, snap_info["layers"])
-            base_plan: Any = frm
+            start = frm
+            start_key = _sha("snapshot", frm, snap_info["layers"])
         else:
             if frm.startswith("image:"):
                 from .plan import Group, Plan
@@ -216,114 +357,56 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
                 path = frm if os.path.isabs(frm) else os.path.join(spec_dir, frm)
                 plan = load_any(path)
             base_lock = plan if isinstance(plan, Lock) else lock_plan(plan, resolve_group)
-            base_key = _sha("lock", [(g.digest, g.layer_digest) for g in base_lock.groups])
-            base_plan = msgspec.to_builtins(base_lock)
-        key = _sha("from", base_key)
-        env_vars: dict[str, str] = {}
-        workdir: str | None = None
-        user: str | None = None
-        results: list[StepResult] = []
-
-        def start_env() -> Env:
-            if current_snapshot is not None:
-                return c.create(current_snapshot)
-            return c.create(base_plan)
+            start_key = base_key(base_lock)
+            start = msgspec.to_builtins(base_lock)
 
         # ---- steps
-        for i, step in enumerate(spec.steps):
-            kind = step.kind()
-            t0 = time.perf_counter()
-            if kind in ("env", "workdir", "user"):
-                if kind == "env":
-                    env_vars.update(step.env or {})
-                elif kind == "workdir":
-                    workdir = step.workdir
-                else:
-                    user = step.user
-                key = _sha(key, i, kind, msgspec.to_builtins(step))
-                results.append(StepResult(i, kind, True, 0.0, current_snapshot))
-                continue
-            files: list[tuple[str, str, int]] = []
-            if kind == "copy":
-                assert step.copy is not None
-                files = _copy_files(context, step.copy.src)
-                key = _sha(key, i, kind, msgspec.to_builtins(step), [(rel, mode, _file_digest(p)) for p, rel, mode in files])
-            else:
-                key = _sha(key, i, kind, step.run, env_vars, workdir, user)
-            cached = cache.get(key)
-            if cached is not None:
-                try:
-                    c._request("GET", f"/v1/snapshots/{cached}")
-                    current_snapshot = cached
-                    results.append(StepResult(i, kind, True, time.perf_counter() - t0, cached))
-                    say(f"step {i + 1}/{len(spec.steps)} {kind}: cached ({cached})")
-                    continue
-                except WeenvError:
-                    pass  # the cached snapshot was deleted: build the step again
-            env = start_env()
-            try:
-                if kind == "run":
-                    assert step.run is not None
-                    r = env.exec(["/bin/sh", "-c", step.run], env=env_vars or None, cwd=workdir, user=user,
-                                 timeout_s=step.timeout_s)
-                    if r.exit_code != 0:
-                        detail = _tail(r.stdout + r.stderr)
-                        raise BuildError(f"step {i + 1} (run {step.run!r}) failed with exit code {r.exit_code}"
-                                         f"{' (timed out)' if r.timed_out else ''}; output tail:\n{detail}")
-                else:
-                    assert step.copy is not None
-                    dest = step.copy.dest
-                    single = len(files) == 1 and os.path.isfile(os.path.join(context, step.copy.src))
-                    for host_path, rel, mode in files:
-                        target = dest if single and not dest.endswith("/") else os.path.join(dest, rel)
-                        with open(host_path, "rb") as f:
-                            env.write_file(target, f.read(), mode=step.copy.mode or mode, user=user)
-                current_snapshot = c._request("POST", f"/v1/envs/{env.id}/commit", json={}).json()["snapshot"]
-            finally:
-                env.kill()
-            cache.put(key, current_snapshot)
-            results.append(StepResult(i, kind, False, time.perf_counter() - t0, current_snapshot))
-            say(f"step {i + 1}/{len(spec.steps)} {kind}: done in {time.perf_counter() - t0:.1f}s ({current_snapshot})")
-        if current_snapshot is None:
+        done = run_steps(c, spec.steps, start=start, key=_sha("from", start_key), context=context, say=say)
+        if done.snapshot is None:
             raise BuildError(f"{spec_path}: no RUN or COPY step: nothing to seal into a group")
 
         # ---- squash the step layers into one group layer, publish, lock
-        snap = c._request("GET", f"/v1/snapshots/{current_snapshot}").json()
+        snap = c._request("GET", f"/v1/snapshots/{done.snapshot}").json()
         if base_lock is None:  # FROM a snapshot: its plan lock is the base, its own layers get squashed too
             base_lock = msgspec.convert(snap["lock"], Lock)
         target_ref = ref or f"{spec.group.name}:build"
-        with tempfile.TemporaryDirectory(dir=os.path.join(_home.home(), "tmp") if _ensure_tmp() else None) as tmp:
+        with tempfile.TemporaryDirectory(dir=tmp_dir()) as tmp:
             out_path = os.path.join(tmp, "group.weenv")
-            digest = _squash_layers([x["digest"] for x in snap["layers"]], out_path, tmp)
+            digest = squash_layers([x["digest"] for x in snap["layers"]], out_path, tmp)
             pub = publish_layer_file(out_path, target_ref, group=spec.group.name, group_class=spec.group.group_class,
                                      digest=digest, source=f"weenv build {os.path.basename(spec_path)}")
         g = resolve_group(target_ref)
+        from .plan import LockedGroup
+
         new_group = LockedGroup(name=spec.group.name, ref=target_ref, group_class=spec.group.group_class,
                                 digest=g.manifest_digest, layer_digest=g.layer_digest, layer_size=g.layer_size,
                                 toc_digest=g.toc_digest, registry=g.registry, repo=g.repo)
         groups = [x for x in base_lock.groups if x.name != spec.group.name] + [new_group]
-        merged_env = {**base_lock.env, **env_vars}
+        merged_env = {**base_lock.env, **done.env_vars}
         out_lock = msgspec.structs.replace(base_lock, groups=groups, env=merged_env,
-                                           workdir=workdir or base_lock.workdir, user=user or base_lock.user)
+                                           workdir=done.workdir or base_lock.workdir, user=done.user or base_lock.user)
         lock_path = lock_out or os.path.join(spec_dir, f"{os.path.splitext(os.path.basename(spec_path))[0]}.lock.toml")
         write_plan(out_lock, lock_path)
         return BuildResult(ref=target_ref, digest=pub.digest, toc_digest=pub.toc_digest, layer_digest=pub.layer_digest,
-                           lock=lock_path, snapshot=current_snapshot, uploaded_bytes=pub.uploaded_bytes, steps=results)
+                           lock=lock_path, snapshot=done.snapshot, uploaded_bytes=pub.uploaded_bytes, steps=done.steps)
     finally:
         if own_client:
             c.close()
 
 
-def _ensure_tmp() -> bool:
+def tmp_dir() -> str | None:
+    """``$WEENV_HOME/tmp`` (same filesystem as the embedded store), or None for the system default."""
+    d = os.path.join(_home.home(), "tmp")
     try:
-        os.makedirs(os.path.join(_home.home(), "tmp"), exist_ok=True)
-        return True
+        os.makedirs(d, exist_ok=True)
+        return d
     except OSError:
-        return False
+        return None
 
 
-def _squash_layers(digests: list[str], out_path: str, tmp: str) -> str:
-    """Merge snapshot layers (bottom first, OCI whiteouts applied) into one group layer; returns its digest."""
+def squash_layers(digests: list[str], out_path: str, tmp: str) -> str:
+    """Merge layers of the embedded store (bottom first, OCI whiteouts kept for what lies below)
+    into one group layer at ``out_path``; returns its digest."""
     from .registry import LayoutStore
     from .registry._image import squash
 
@@ -343,3 +426,4 @@ def _squash_layers(digests: list[str], out_path: str, tmp: str) -> str:
     finally:
         for s in spools:
             s.close()
+
