@@ -87,6 +87,11 @@ class RolloutSettings(_Strict):
     autostart: bool = False
     #: Env creations (create, snapshot, fork) in flight at once, independent of SGLang's semaphore.
     create_concurrency: Annotated[int, Meta(ge=1)] = 16
+    #: Envs this process keeps alive at once (each sample holds at most one at a time); ``None``:
+    #: no limit but the node's admission control.
+    max_envs: Annotated[int, Meta(ge=1)] | None = None
+    #: How long a creation refused for lack of node capacity is retried before the sample aborts.
+    admission_timeout_s: Annotated[float, Meta(ge=0)] = 600.0
     #: ``package.module.factory`` called with ``args`` to get a tokenizer; default: Hugging Face
     #: ``AutoTokenizer.from_pretrained(args.hf_checkpoint)``.
     tokenizer: str | None = None

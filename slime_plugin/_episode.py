@@ -12,13 +12,14 @@ import contextlib
 import json
 import logging
 import math
+import random
 import shlex
 import time
 from typing import Any
 
 from . import _sglang
 from ._config import EnvSpec, spec_fingerprint
-from ._errors import CommandFailedError, GenerationAborted, GradingError, SandboxError, SnapshotUnavailableError
+from ._errors import CapacityError, CommandFailedError, GenerationAborted, GradingError, SandboxError, SnapshotUnavailableError
 from ._parsers import CallResult, ToolCall, ToolCallParser
 from ._state import LoopState, encode
 from .sandbox import WeenvSandbox
@@ -163,6 +164,7 @@ class Episode:
         self.state, self.tokenizer, self.evaluation, self.record = state, tokenizer, evaluation, record
         self.answer: str | None = None
         self.last_text = ""
+        self._holding: set[int] = set()  # ids of the sandboxes that hold an env slot
 
     # -- timing ---------------------------------------------------------------------------------
 
@@ -181,23 +183,53 @@ class Episode:
     # -- envs -----------------------------------------------------------------------------------
 
     async def _create(self, source: Any, *, from_snapshot: bool) -> WeenvSandbox:
-        spec = self.spec
-        kwargs = dict(client=self.state.client, ttl_s=spec.ttl_s, cpu=spec.cpu, memory=spec.memory,
-                      env=spec.env or None, workdir=spec.workdir, op_timeout_s=self.state.settings.client_timeout_s)
-        sb = WeenvSandbox(snapshot=source, **kwargs) if from_snapshot else WeenvSandbox(plan=source, **kwargs)
+        """A started env (counted against ``max_envs`` until :meth:`_close`). A refusal for lack
+        of node capacity is retried with backoff until ``admission_timeout_s``."""
+        spec, state = self.spec, self.state
+        settings = state.settings
+        kwargs = dict(client=state.client, ttl_s=spec.ttl_s, cpu=spec.cpu, memory=spec.memory,
+                      env=spec.env or None, workdir=spec.workdir, op_timeout_s=settings.client_timeout_s)
+        if state.env_slots is not None:
+            with self._env_op("env_slot_wait"):
+                await state.env_slots.acquire()
         with self._env_op("create"):
-            async with self.state.create_slots:
-                await sb.__aenter__()
-        self.state.stats["created_from_snapshot" if from_snapshot else "created_from_plan"] += 1
+            try:
+                deadline = time.monotonic() + settings.admission_timeout_s
+                delay_s = 0.25
+                while True:
+                    sb = WeenvSandbox(snapshot=source, **kwargs) if from_snapshot else WeenvSandbox(plan=source, **kwargs)
+                    try:
+                        async with state.create_slots:
+                            await sb.__aenter__()
+                        break
+                    except CapacityError:
+                        state.stats["admission_refusals"] += 1
+                        if time.monotonic() + delay_s > deadline:
+                            raise
+                    # Envs of other samples end all the time; wait for one, not in lockstep.
+                    await asyncio.sleep(random.uniform(delay_s / 2, delay_s))
+                    delay_s = min(delay_s * 2, 5.0)
+            except BaseException:
+                if state.env_slots is not None:
+                    state.env_slots.release()
+                raise
+        if state.env_slots is not None:
+            self._holding.add(id(sb))
+        state.stats["created_from_snapshot" if from_snapshot else "created_from_plan"] += 1
         self.record["envs"].append(sb.sandbox_id)
         return sb
 
     async def _close(self, sb: WeenvSandbox) -> None:
         if sb.closed:
             return
-        with self._env_op("kill"):
-            await sb.close()
-        self.state.stats["kills"] += 1
+        try:
+            with self._env_op("kill"):
+                await sb.close()
+            self.state.stats["kills"] += 1
+        finally:
+            if id(sb) in self._holding:
+                self._holding.discard(id(sb))
+                self.state.env_slots.release()
 
     async def _setup(self, sb: WeenvSandbox) -> None:
         for command in self.spec.setup:
@@ -236,9 +268,12 @@ class Episode:
             sb = await self._fresh_task_env(base, from_snapshot, stack)
             if wants_clean:
                 try:
-                    return sb, await self._commit(sb), True
+                    snapshot = await self._commit(sb)
                 except SnapshotUnavailableError:
                     self.state.stats["snapshot_unavailable"] += 1
+                else:
+                    stack.push_async_callback(self._delete_snapshot, snapshot)
+                    return sb, snapshot, True
             return sb, base, False
         return await self._open_from_group(stack, base, from_snapshot, group_index)
 
@@ -289,16 +324,21 @@ class Episode:
     async def _release_group(self, entry: Any) -> None:
         if not self.state.templates.release(entry) or not entry.future.done() or entry.future.exception():
             return
-        snapshot = entry.future.result()
-        delete = getattr(self.state.client, "delete_snapshot", None)
-        if snapshot is None or delete is None:
-            return
-        try:
-            async with asyncio.timeout(self.state.settings.client_timeout_s):
-                await delete(snapshot)
-            self.state.stats["snapshots_deleted"] += 1
-        except Exception as e:  # noqa: BLE001 - a leftover snapshot is for `weenv gc`, not a failed sample
-            logger.warning("[weenv] could not delete snapshot %s: %s", snapshot, e)
+        if entry.future.result() is not None:
+            await self._delete_snapshot(entry.future.result())
+
+    async def _delete_snapshot(self, snapshot: str) -> None:
+        client = self.state.client
+        with self._env_op("delete_snapshot"):
+            try:
+                async with asyncio.timeout(self.state.settings.client_timeout_s):
+                    if hasattr(client, "delete_snapshot"):
+                        await client.delete_snapshot(snapshot)
+                    else:  # the async client has no wrapper for this route yet
+                        await client._request("DELETE", f"/v1/snapshots/{snapshot}")
+                self.state.stats["snapshots_deleted"] += 1
+            except Exception as e:  # noqa: BLE001 - a leftover snapshot costs disk, not the sample
+                logger.warning("[weenv] could not delete snapshot %s: %s", snapshot, e)
 
     # -- the turns ------------------------------------------------------------------------------
 
@@ -397,19 +437,20 @@ class Episode:
 
     # -- grading --------------------------------------------------------------------------------
 
-    async def _copy_paths(self, source: WeenvSandbox, target: WeenvSandbox, paths: list[str]) -> None:
-        cwd = self.spec.workdir or "/"
+    async def _pack(self, source: WeenvSandbox, paths: list[str]) -> bytes:
+        """A tar of ``paths`` (relative to the workdir) from the agent's env; missing ones are left out."""
         quoted = " ".join(shlex.quote(p) for p in paths)
-        evaluator = self.spec.evaluator
         with self._env_op("copy"):
-            packed = await source.run(f"tar -cf - {quoted} 2>/dev/null", cwd=cwd, user=self.spec.user,
-                                      timeout_s=evaluator.timeout_s)
-            if getattr(packed, "stdout_truncated", False):
-                raise GradingError(f"the files to grade ({', '.join(paths)}) exceed weenv's exec output cap")
-            if not packed.stdout:
-                return  # none of them exist; the evaluator will see that
-            unpacked = await target.run("tar -xf -", cwd=cwd, user=self.spec.user, stdin=packed.stdout,
-                                        timeout_s=evaluator.timeout_s)
+            packed = await source.run(f"tar -cf - {quoted} 2>/dev/null", cwd=self.spec.workdir or "/",
+                                      user=self.spec.user, timeout_s=self.spec.evaluator.timeout_s)
+        if getattr(packed, "stdout_truncated", False):
+            raise GradingError(f"the files to grade ({', '.join(paths)}) exceed weenv's exec output cap")
+        return packed.stdout
+
+    async def _unpack(self, target: WeenvSandbox, data: bytes, paths: list[str]) -> None:
+        with self._env_op("copy"):
+            unpacked = await target.run("tar -xf -", cwd=self.spec.workdir or "/", user=self.spec.user, stdin=data,
+                                        timeout_s=self.spec.evaluator.timeout_s)
         if unpacked.exit_code != 0:
             raise GradingError(f"could not unpack {', '.join(paths)} in the grading env: "
                                f"{unpacked.stderr.decode('utf-8', 'replace')[-300:]}")
@@ -424,14 +465,16 @@ class Episode:
                "WEENV_LABEL": (label or "")[:MAX_EVALUATOR_VAR_CHARS], "WEENV_STATUS": status.lower()}
         target = task
         if evaluator.grade_in_clean_env:
+            packed = await self._pack(task, evaluator.copy_paths) if evaluator.copy_paths else b""
+            # One env per sample at a time: the agent's goes before the grading env comes.
+            await self._close(task)
             self.record["phase"] = "grade"
             target = await self._create(clean_source, from_snapshot=clean_is_ready)
             stack.push_async_callback(self._close, target)
             if not clean_is_ready:
                 await self._setup(target)
-            if evaluator.copy_paths:
-                await self._copy_paths(task, target, evaluator.copy_paths)
-            await self._close(task)  # done with it; free its resources before grading
+            if packed:
+                await self._unpack(target, packed, evaluator.copy_paths)
         with self._env_op("grade"):
             result = await target.run(evaluator.command, user=evaluator.user or self.spec.user, env=env,
                                       cwd=evaluator.workdir, timeout_s=evaluator.timeout_s)

@@ -7,6 +7,7 @@
      ├── SandboxError           a sandbox operation failed (names the sandbox and the operation)
      │    ├── SandboxNotStartedError   used outside ``async with`` (or after it ended)
      │    ├── SnapshotUnavailableError the daemon cannot commit or fork (snapshots not supported)
+     │    ├── CapacityError            the node refused a new env for now (admission: cores or memory taken)
      │    └── CommandFailedError       ``exec(..., check=True)`` saw a non-zero exit (also a RuntimeError)
      ├── GenerationError        the SGLang server could not be reached or answered nonsense
      │    └── GenerationAborted        SGLang ended a turn with finish reason ``abort``
@@ -62,6 +63,14 @@ class SnapshotUnavailableError(SandboxError):
     falls back to one freshly prepared env per sample."""
 
     reason = "snapshot_unavailable"
+
+
+class CapacityError(SandboxError):
+    """Raised when the daemon refuses a new env because the node's guaranteed cores or memory are
+    taken (HTTP 503, ``not_admitted``). Transient: the rollout waits and retries until
+    ``admission_timeout_s``."""
+
+    reason = "capacity"
 
 
 class CommandFailedError(SandboxError, RuntimeError):

@@ -24,6 +24,7 @@ class LoopState:
     settings: RolloutSettings
     client: Any
     create_slots: asyncio.Semaphore
+    env_slots: asyncio.Semaphore | None
     templates: GroupTemplates
     http: httpx.AsyncClient
     #: Counts of env operations (``created_from_plan``, ``created_from_snapshot``, ``commits``,
@@ -50,6 +51,7 @@ def loop_state(settings: RolloutSettings) -> LoopState:
             # No HTTP-level deadline: the sandbox gives every call one sized to the operation.
             client=weenv.AsyncClient(settings.socket, timeout_s=None, autostart=settings.autostart),
             create_slots=asyncio.Semaphore(settings.create_concurrency),
+            env_slots=None if settings.max_envs is None else asyncio.Semaphore(settings.max_envs),
             templates=GroupTemplates(),
             http=httpx.AsyncClient(timeout=settings.sglang_timeout_s,
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)),

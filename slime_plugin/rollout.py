@@ -19,11 +19,10 @@ import time
 from typing import Any
 
 from ._config import resolve_env_spec, resolve_rollout_settings
-from ._episode import RUN_KEY, Episode, evaluator_reward, mark_aborted, reset_response, reward_value
+from ._episode import MAX_EVALUATOR_VAR_CHARS, RUN_KEY, Episode, evaluator_reward, mark_aborted, reset_response, reward_value
 from ._errors import ConfigError, GradingError, SlimePluginError
 from ._parsers import load_parser
 from ._state import close_loop_states, load_tokenizer, loop_state, loop_states
-from .sandbox import WeenvSandbox
 
 logger = logging.getLogger(__name__)
 
@@ -121,32 +120,30 @@ async def _grade_response(args: Any, sample: Any) -> Any:
     evaluator = spec.evaluator
     if evaluator is None:
         raise GradingError("no evaluator configured (metadata.weenv.evaluator or args.weenv_evaluator)")
-    state = loop_state(settings)
-    source = spec.snapshot if spec.snapshot is not None else spec.plan
-    kwargs = dict(client=state.client, ttl_s=spec.ttl_s, cpu=spec.cpu, memory=spec.memory, env=spec.env or None,
-                  workdir=spec.workdir, op_timeout_s=settings.client_timeout_s)
-    sb = WeenvSandbox(snapshot=source, **kwargs) if spec.snapshot is not None else WeenvSandbox(plan=source, **kwargs)
-    async with state.create_slots:
-        await sb.__aenter__()
-    state.stats["created_from_snapshot" if spec.snapshot is not None else "created_from_plan"] += 1
-    async with sb:
-        for command in spec.setup:
-            result = await sb.run(command, user=spec.user, timeout_s=spec.setup_timeout_s)
-            if result.exit_code != 0 or result.timed_out:
-                raise GradingError(f"setup command failed with exit {result.exit_code}: {command[:120]}")
+    record = _new_record()
+    # An episode without turns: its env handling (slots, admission retries, teardown) is reused.
+    episode = Episode(args=args, sample=sample, sampling_params={}, spec=spec, parser=None,
+                      state=loop_state(settings), tokenizer=None, evaluation=False, record=record)
+    from_snapshot = spec.snapshot is not None
+    sb = await episode._create(spec.snapshot if from_snapshot else spec.plan, from_snapshot=from_snapshot)
+    try:
+        await episode._setup(sb)
         label = sample.label if isinstance(sample.label, str) else ("" if sample.label is None else str(sample.label))
-        env = {**evaluator.env, "WEENV_ANSWER": (sample.response or "")[:16384], "WEENV_LABEL": label[:16384],
-               "WEENV_STATUS": getattr(sample.status, "value", str(sample.status))}
+        env = {**evaluator.env, "WEENV_ANSWER": (sample.response or "")[:MAX_EVALUATOR_VAR_CHARS],
+               "WEENV_LABEL": label[:MAX_EVALUATOR_VAR_CHARS],
+               "WEENV_STATUS": str(getattr(sample.status, "value", sample.status))}
         result = await sb.run(evaluator.command, user=evaluator.user or spec.user, env=env, cwd=evaluator.workdir,
                               timeout_s=evaluator.timeout_s)
+    finally:
+        await episode._close(sb)
     value, detail = evaluator_reward(result.exit_code, result.stdout, result.timed_out)
     out = reward_value(args, value, detail)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
-    record = dict(metadata.get(RUN_KEY) or {})
-    record["reward"] = out
-    record["grade"] = {"exit_code": result.exit_code, "timed_out": result.timed_out, "reward": value,
-                       "clean_env": True, "env": sb.sandbox_id}
-    sample.metadata = {**metadata, RUN_KEY: record}
+    merged = dict(metadata.get(RUN_KEY) or {})
+    merged["reward"] = out
+    merged["grade"] = {"exit_code": result.exit_code, "timed_out": result.timed_out, "reward": value,
+                       "clean_env": True, "env": sb.sandbox_id, "env_s": round(record["env_s"], 4)}
+    sample.metadata = {**metadata, RUN_KEY: merged}
     return out
 
 

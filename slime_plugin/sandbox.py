@@ -31,7 +31,7 @@ from typing import Any
 
 import weenv
 
-from ._errors import CommandFailedError, SandboxError, SandboxNotStartedError, SnapshotUnavailableError
+from ._errors import CapacityError, CommandFailedError, SandboxError, SandboxNotStartedError, SnapshotUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,9 @@ class WeenvSandbox:
         except weenv.EnvNotFoundError as e:
             raise SandboxError(f"the env is gone: {e}", sandbox_id=self.sandbox_id, operation=operation) from e
         except weenv.ApiError as e:
+            if e.status == 503 and e.kind == "not_admitted":
+                raise CapacityError(f"the node is full: {e.detail}", sandbox_id=self.sandbox_id,
+                                    operation=operation) from e
             if operation in ("commit", "fork") and e.status in _UNSUPPORTED_STATUSES:
                 raise SnapshotUnavailableError(f"the daemon cannot {operation} ({e.status} {e.detail})",
                                                sandbox_id=self.sandbox_id, operation=operation) from e

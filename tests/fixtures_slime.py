@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -200,12 +201,14 @@ def turns(replies: list[Reply | str], *, markers: tuple[str, ...] = ("<output ex
 
 class FakeSGLang:
     """``POST /generate`` on 127.0.0.1 with a scripted ``reply``; ``requests`` records payloads.
-    ``fail_next`` answers that many requests with HTTP 503 first."""
+    ``fail_next`` answers that many requests with HTTP 503 first; ``latency_s`` delays every answer
+    (a model that takes time to generate; requests are served in parallel threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, latency_s: float = 0.0) -> None:
         self.reply: Callable[[str, dict], Reply] = turns(["<answer>nothing scripted</answer>"])
         self.requests: list[dict] = []
         self.fail_next = 0
+        self.latency_s = latency_s
         self._lock = threading.Lock()
         fake = self
 
@@ -239,6 +242,8 @@ class FakeSGLang:
             if self.fail_next > 0:
                 self.fail_next -= 1
                 return 503, {"error": "overloaded"}
+        if self.latency_s:
+            time.sleep(self.latency_s)
         prompt = bytes(payload.get("input_ids", [])).decode("utf-8", "replace")
         r = self.reply(prompt, payload)
         ids = list(r.text.encode("utf-8"))

@@ -552,12 +552,17 @@ def test_grading_in_a_clean_env_copies_only_the_named_paths(daemon, fake_sglang)
     assert _envs(daemon) == []
 
 
+def _snapshots(daemon):
+    with daemon.client() as c:
+        return [s["id"] for s in c.snapshots()]
+
+
 def _daemon_can_snapshot(daemon) -> bool:
     import weenv
 
     with daemon.client() as c, c.create(daemon.plan_lock) as env:
         try:
-            env.commit()
+            c.delete_snapshot(env.commit())
             return True
         except weenv.ApiError as e:
             if e.status in (404, 405, 501):
@@ -581,12 +586,14 @@ def test_group_prepares_once_and_forks(daemon, fake_sglang):
         return plugin_rollout.statistics()
 
     stats = run(main())
+    print("snapshots supported:", can_snapshot, dict(stats))
     for s in samples:
         assert s.status is Sample.Status.COMPLETED, s.metadata.get("abort_reason")
         assert s.reward == 1.0 and "seeded" in s.response
     assert stats["group_leaders"] == 1 and stats["group_followers"] == 7
     if can_snapshot:
         assert (stats["created_from_plan"], stats["commits"], stats["created_from_snapshot"]) == (1, 1, 8)
+        assert stats["snapshots_deleted"] == 1 and _snapshots(daemon) == []
     else:
         assert stats["snapshot_unavailable"] == 1 and stats["created_from_plan"] == 8
         assert stats.get("created_from_snapshot", 0) == 0
@@ -644,3 +651,142 @@ def _light_state(state, args):
     state.dp_counts = [0]
     state.dp_rank = 0
     state.reset()
+
+
+def _docs_blocks(kind: str) -> list[str]:
+    text = Path(__file__).parent.parent.joinpath("docs/slime.md").read_text()
+    return [part.split("```", 1)[0] for part in text.split(f"```{kind}\n")[1:]]
+
+
+@pytest.mark.integration
+def test_docs_worked_example_runs(daemon, fake_sglang):
+    """The dataset row and YAML of docs/slime.md, on the busybox plan, with a scripted model."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML is not installed (slime itself needs it)")
+    row = json.loads(_docs_blocks("json")[0])
+    args = _episode_args(fake_sglang, daemon)
+    for k, v in yaml.safe_load(_docs_blocks("yaml")[0]).items():
+        setattr(args, k, v)
+    args.weenv_plan = daemon.plan_lock
+    fake_sglang.reply = turns(["I'll look first.<bash>cat add.sh</bash>",
+                               "<bash>printf '#!/bin/sh\\necho $(($1 + $2))\\n' > add.sh; echo ok > other</bash>",
+                               "<answer>done</answer>"])
+    samples = [Sample(index=i, group_index=0, prompt=row["prompt"], label=row["label"], metadata=row["metadata"])
+               for i in range(2)]
+    args.n_samples_per_prompt = 2
+
+    async def main():
+        return await asyncio.gather(*(plugin_rollout.generate(args, s, sampling_params()) for s in samples))
+
+    run(main())
+    for s in samples:
+        assert s.status is Sample.Status.COMPLETED, s.metadata.get("abort_reason")
+        assert s.reward == 1.0 and s.metadata["weenv_run"]["grade"]["clean_env"]
+        assert '<output exit_code="0">\n#!/bin/sh\necho $(($1 - $2))\n</output>' in s.response
+        assert s.response.startswith("I'll look first.<bash>cat add.sh</bash>")
+        assert bytes(s.tokens[:len(s.tokens) - s.response_length]).decode().startswith("system: You can run")
+    assert _envs(daemon) == []
+
+
+@pytest.mark.integration
+def test_node_capacity_is_waited_for_or_reported(daemon, fake_sglang):
+    """Envs that each guarantee 0.9 cores: a 2-core node admits two at a time. Refused creations
+    are retried until admission_timeout_s; with max_envs the process never asks for more."""
+    fake_sglang.latency_s = 0.3  # keeps the admitted envs busy while the others ask
+    fake_sglang.reply = turns(["<bash>echo hi</bash>", "<answer>ok</answer>"])
+
+    def batch(**kw):
+        args = _episode_args(fake_sglang, daemon, weenv_cpu="0.9-1", weenv_evaluator={"command": "true"}, **kw)
+        samples = [Sample(index=i, prompt="p") for i in range(5)]
+
+        async def main():
+            await asyncio.gather(*(plugin_rollout.generate(args, s, sampling_params()) for s in samples))
+            return plugin_rollout.statistics()
+
+        return samples, run(main())
+
+    # One creation at a time, so that the daemon's admission sees every env already started.
+    samples, stats = batch(weenv_admission_timeout_s=0, weenv_create_concurrency=1)
+    aborted = [s for s in samples if s.status is Sample.Status.ABORTED]
+    assert len(aborted) == 3 and stats["admission_refusals"] == 3
+    assert all(s.metadata["abort_reason"].startswith("create/capacity") for s in aborted)
+    samples, stats = batch(weenv_admission_timeout_s=120, weenv_create_concurrency=1)
+    assert all(s.status is Sample.Status.COMPLETED for s in samples) and stats["admission_refusals"] >= 1
+    samples, stats = batch(weenv_max_envs=2)
+    assert all(s.status is Sample.Status.COMPLETED for s in samples) and stats.get("admission_refusals", 0) == 0
+    assert _envs(daemon) == []
+
+
+class _FakeEnv:
+    """An env of :class:`_FakeClient`: every command succeeds; commit is not supported."""
+
+    def __init__(self, client, source):
+        client.created.append(source)
+        self.client, self.id = client, f"fake-{len(client.created)}"
+        client.alive.add(self.id)
+
+    async def exec(self, cmd, **kw):
+        import weenv
+
+        return weenv.ExecResult(exit_code=0, stdout=b"", duration_s=0.0)
+
+    async def commit(self, **kw):
+        import weenv
+
+        raise weenv.ApiError(404, "no_route", "no API route POST /v1/envs/x/commit")
+
+    async def kill(self):
+        self.client.alive.discard(self.id)
+
+
+class _FakeClient:
+    def __init__(self, *a, **kw):
+        self.created, self.alive = [], set()
+        _FakeClient.last = self
+
+    async def create(self, source, **kw):
+        await asyncio.sleep(0)
+        return _FakeEnv(self, source)
+
+    async def aclose(self):
+        pass
+
+
+def test_group_without_snapshot_support_prepares_an_env_per_sample(fake_sglang, monkeypatch):
+    """A daemon without commit: the leader keeps its env, each sibling sets up its own."""
+    import weenv
+
+    monkeypatch.setattr(weenv, "AsyncClient", _FakeClient)
+    fake_sglang.reply = turns(["<answer>ok</answer>"])
+    args = slime_args(fake_sglang, weenv_plan="plan.lock", weenv_setup=["prepare"], n_samples_per_prompt=4,
+                      weenv_evaluator={"command": "true"}, weenv_socket="/fake.sock")
+    samples = [Sample(index=i, group_index=3, prompt="p") for i in range(4)]
+
+    async def main():
+        await asyncio.gather(*(plugin_rollout.generate(args, s, sampling_params()) for s in samples))
+        return plugin_rollout.statistics()
+
+    stats = run(main())
+    assert all(s.status is Sample.Status.COMPLETED and s.reward == 1.0 for s in samples)
+    assert stats["snapshot_unavailable"] == 1 and stats["created_from_plan"] == 4 and stats["kills"] == 4
+    assert _FakeClient.last.created == ["plan.lock"] * 4 and _FakeClient.last.alive == set()
+    assert sorted(s.metadata["weenv_run"]["group_role"] for s in samples) == ["follower"] * 3 + ["leader"]
+
+
+def test_sglang_retries_then_gives_up(fake_sglang):
+    import httpx
+
+    from slime_plugin import _sglang
+
+    url = f"http://{fake_sglang.host}:{fake_sglang.port}/generate"
+    fake_sglang.reply = turns(["fine"])
+
+    async def call(retries):
+        async with httpx.AsyncClient() as http:
+            return await _sglang.generate(http, url, [1, 2], {"max_new_tokens": 8}, retries=retries)
+
+    fake_sglang.fail_next = 2
+    assert asyncio.run(call(2)).text == "fine"
+    fake_sglang.fail_next = 2
+    with pytest.raises(slime_plugin.GenerationError, match="failed 2 times; last: HTTP 503"):
+        asyncio.run(call(1))
+    assert fake_sglang.requests[-1]["return_logprob"] is True and fake_sglang.requests[-1]["input_ids"] == [1, 2]
