@@ -196,3 +196,33 @@ def test_a_failed_build_leaves_no_threads_behind():
     with pytest.raises(LayerInputError, match="shrank"):
         build_entries(entries, io.BytesIO(), threads=2)
     assert threading.active_count() == before
+
+
+def test_a_file_swapped_for_a_symlink_or_fifo_after_the_walk_is_refused_not_followed(tmp_path):
+    root = make_tree(tmp_path / "t", f("a", b"abc"), f("b", b"abc"))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"top")  # same size: following the link would go unnoticed
+    entries = layerfmt.scan_directory(root)
+    os.unlink(os.path.join(root, "a"))
+    os.symlink(secret, os.path.join(root, "a"))
+    os.unlink(os.path.join(root, "b"))
+    os.mkfifo(os.path.join(root, "b"))
+    outcome: dict[str, BaseException | None] = {}
+
+    def build(path: str) -> None:
+        try:
+            build_entries([e for e in entries if e.path in (".", path)], io.BytesIO())
+            outcome[path] = None
+        except BaseException as err:  # noqa: BLE001 - checked below
+            outcome[path] = err
+
+    for path in ("a", "b"):
+        t = threading.Thread(target=build, args=(path,), daemon=True)
+        t.start()
+        t.join(30)  # a fifo opened without O_NONBLOCK would wait for a writer forever
+        if t.is_alive():
+            with open(os.path.join(root, "b"), "wb"):
+                pass  # release the stuck open so the thread ends
+            t.join()
+            pytest.fail(f"building {path} blocked")
+        assert isinstance(outcome[path], LayerInputError) and outcome[path].path == path

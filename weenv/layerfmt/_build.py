@@ -225,7 +225,8 @@ def _add_content(pipe: _Pipeline, src: SourceEntry, entry: Entry, size: int, chu
     file: BinaryIO | None = None
     try:
         if type(opener) is PathOpener:
-            fd = os.open(opener.path, os.O_RDONLY | os.O_CLOEXEC)
+            # the walk saw a regular file: a symlink or fifo swapped in since must not be followed or block
+            fd = os.open(opener.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         elif type(opener) is not SpoolOpener:
             if opener is None:
                 raise LayerInputError("regular file without content", path=src.path)
@@ -252,7 +253,12 @@ def _add_content(pipe: _Pipeline, src: SourceEntry, entry: Entry, size: int, chu
                         got += more
                 elif file is None:
                     assert type(opener) is SpoolOpener
-                    got = os.preadv(opener.fd, (view[: min(want, opener.size - uoff)],), opener.offset + uoff)
+                    got, stop = 0, min(want, opener.size - uoff)
+                    while got < stop:
+                        more = os.preadv(opener.fd, (view[got:stop],), opener.offset + uoff + got)
+                        if not more:
+                            break
+                        got += more
                 else:
                     got = _read_file(file, view)
             except OSError as err:
