@@ -173,9 +173,11 @@ def _print_record(rec: Any) -> None:
 
 
 def _with_progress(tasks_path: str, total: int, kw: dict[str, Any]) -> Any:
-    """Run the batch under a live display: an overall bar and one line per running task."""
+    """Run the batch under a live display: an overall bar, then one line per running task."""
     import threading
 
+    from rich.console import Group
+    from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from .._package import default_results_path, package_tasks, read_results
@@ -184,31 +186,32 @@ def _with_progress(tasks_path: str, total: int, kw: dict[str, Any]) -> Any:
     lock = threading.Lock()
     counts = {"ok": 0, "failed": 0, "bytes": 0}
     rows: dict[str, Any] = {}
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=stderr, transient=False)
+    overall = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                       console=stderr)
+    running = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr)
     done_before = sum(1 for r in already.values() if r.status == "ok")
-    overall = progress.add_task("packaging", total=total, completed=min(done_before, total))
+    bar = overall.add_task("packaging", total=total, completed=min(done_before, total))
 
     def describe() -> str:
         return (f"packaging: [green]{counts['ok']} ok[/] [red]{counts['failed']} failed[/] "
-                f"{human_bytes(counts['bytes'])} up")
+                f"{human_bytes(counts['bytes'])} uploaded")
 
     def on_event(kind: str, task_id: str, data: Any) -> None:
         with lock:
             if kind == "start":
-                rows[task_id] = progress.add_task(f"  {task_id}: starting", total=None)
+                rows[task_id] = running.add_task(f"{task_id}: starting")
             elif kind == "stage" and task_id in rows:
-                progress.update(rows[task_id], description=f"  {task_id}: {data}")
+                running.update(rows[task_id], description=f"{task_id}: {data}")
             elif kind == "done":
                 row = rows.pop(task_id, None)
                 if row is not None:
-                    progress.remove_task(row)
+                    running.remove_task(row)
                 counts["ok" if data.status == "ok" else "failed"] += 1
                 counts["bytes"] += data.uploaded_bytes
                 if data.status != "ok":
                     first = (data.error or "").strip().splitlines()[0] if data.error else ""
-                    progress.console.print(f"[red]FAILED[/] {task_id}: {first}")
-                progress.update(overall, advance=1, description=describe())
+                    live.console.print(f"[red]FAILED[/] {task_id}: {first}")
+                overall.update(bar, advance=1, description=describe())
 
-    with progress:
+    with Live(Group(overall, running), console=stderr, refresh_per_second=8) as live:
         return package_tasks(tasks_path, on_event=on_event, **kw)
