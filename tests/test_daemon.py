@@ -290,3 +290,13 @@ def test_warm_pool_hands_out_started_envs_and_drops_idle_pools(tmp_path, monkeyp
         log = d.log()
         shutil.rmtree(home, ignore_errors=True)
         assert left == [], log[-5000:]
+
+
+def test_the_agent_socket_is_out_of_reach_inside_the_env(daemon):
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        assert env.exec(["ls", "/dev/.weenv"]).exit_code != 0  # no socket path inside the env at all
+        r = env.exec(["ls", "/proc/1/fd"], user="user")
+        assert r.exit_code != 0 and b"denied" in r.stderr  # the init's inherited socket is root's
+        assert env.exec(["id", "-u"], user="user").stdout == b"1000\n"
+        r = env.exec(["sh", "-c", "cat /proc/self/status | grep CapEff"], user="user")
+        assert r.stdout.split()[-1] == b"0000000000000000"  # a non-root command has no capability

@@ -3,8 +3,10 @@
 ``crun exec`` costs a crun process, state parsing and a setns into every namespace (12-20 ms);
 the agent is already inside the env and only forks and execs (~1 ms). Commands it starts are
 children of the env's init, so they share its namespaces, cgroups, seccomp filter, capability
-bounding set and no_new_privileges. The agent listens on a socket in a root-only directory of the
-env's own tmpfs; see weenv/provision/agent/weenv-agent.c for the frame format.
+bounding set and no_new_privileges. The daemon binds the agent's listening socket in the env's
+directory on the host, never visible inside the env (so nothing there can swap it for a link to
+another socket), and crun hands it to the init as descriptor 3. See
+weenv/provision/agent/weenv-agent.c for the frame format.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import time
@@ -29,10 +32,24 @@ from ._errors import ContainerError
 log = logging.getLogger("weenv.daemon")
 
 AGENT_SOURCE = os.path.join(os.path.dirname(__file__), "agent", "weenv-agent.c")
-from ._ocispec import AGENT_DIR as AGENT_DIR  # noqa: E402
 from ._ocispec import AGENT_PATH as AGENT_PATH  # noqa: E402
-from ._ocispec import AGENT_SOCKET_NAME as AGENT_SOCKET_NAME  # noqa: E402
 _HDR = struct.Struct(">cI")
+
+
+def agent_listener(path: str) -> socket.socket:
+    """A listening Unix socket at ``path`` (mode 0600) for an env's agent to inherit."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return sock
 
 
 def ensure_agent(lib_dir: str) -> str | None:

@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from ._errors import (
     EnvStateError,
     ProvisionError,
 )
+from ._agent import agent_listener
 from ._files import RootFS, resolve_user
 from ._monitor import Monitor
 from ._ocispec import ROOT_USER, BindMount, User
@@ -307,13 +309,16 @@ class EnvManager:
         self._save(rec)
         mark("cgroup")
 
+        listener: socket.socket | None = None
+
         def bundle() -> dict[str, Any]:
+            nonlocal listener
             user = resolve_user(rootfs, lock.user) if lock.user else ROOT_USER
             agent: dict[str, str] = {}
             if self.agent_path is not None and not lock.init:
-                agent_dir = os.path.join(rw, "agent")  # on the env's own tmpfs, root-only
-                os.mkdir(agent_dir, 0o700)
-                agent = {"agent_path": self.agent_path, "agent_dir": agent_dir}
+                sock_path = os.path.join(_state.env_dir(self.envs_dir, rec.id), "agent.sock")
+                listener = agent_listener(sock_path)
+                agent = {"agent_path": self.agent_path, "agent_socket": sock_path}
             return prepare_bundle(
                 _state.bundle_path(self.envs_dir, rec.id), env_id=rec.id, rootfs=rootfs,
                 host=getattr(self.runtime, "host", None), network=lock.network, args=lock.init, env=dict(lock.env),
@@ -323,8 +328,13 @@ class EnvManager:
 
         spec = await trio.to_thread.run_sync(bundle)
         mark("bundle")
-        rec.init_pid = await self.runtime.create(rec.id, _state.bundle_path(self.envs_dir, rec.id), rootfs, spec,
-                                                 cg.procs_paths())
+        try:
+            extra = {"listen_fd": listener.fileno()} if listener is not None else {}
+            rec.init_pid = await self.runtime.create(rec.id, _state.bundle_path(self.envs_dir, rec.id), rootfs, spec,
+                                                     cg.procs_paths(), **extra)
+        finally:
+            if listener is not None:
+                listener.close()  # the env's init holds its own copy now
         mark("crun_create")
         await self.runtime.start(rec.id)
         mark("crun_start")

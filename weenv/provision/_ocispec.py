@@ -51,8 +51,6 @@ NETWORK_MODES = ("none", "loopback")
 ANNOTATION_ENV_ID = "org.weenv.env-id"
 ANNOTATION_NETWORK = "org.weenv.network"
 AGENT_PATH = "/dev/.weenv-agent"  # the in-env agent binary (read-only bind into /dev's tmpfs)
-AGENT_DIR = "/dev/.weenv"  # the agent socket's directory inside the env (root only)
-AGENT_SOCKET_NAME = "agent.sock"
 ANNOTATION_AGENT_SOCKET = "org.weenv.agent-socket"  # host path of the in-env agent's socket
 ANNOTATION_EXEC_USER = "org.weenv.exec-user"  # [uid, gid, [gids], home]: the default user of exec
 
@@ -304,7 +302,7 @@ def build_spec(
     dev_size_bytes: int = 4 << 20,
     annotations: Mapping[str, str] | None = None,
     agent_path: str | None = None,
-    agent_dir: str | None = None,
+    agent_socket: str | None = None,
 ) -> dict:
     """The complete ``config.json`` for one env.
 
@@ -317,12 +315,12 @@ def build_spec(
         raise SpecError(f"env id {env_id!r} must be 1-64 characters without '/' or NUL")
     if network not in NETWORK_MODES:
         raise SpecError(f"network must be one of {', '.join(NETWORK_MODES)}, got {network!r}")
-    use_agent = args is None and agent_path is not None and agent_dir is not None
+    use_agent = args is None and agent_path is not None and agent_socket is not None
     default_user = user
     if use_agent:
         # weenv-agent is the init and runs commands for the daemon: it must be root to run them
         # as any user; commands default to the plan's user (recorded in an annotation).
-        args = (AGENT_PATH, f"{AGENT_DIR}/{AGENT_SOCKET_NAME}")
+        args = (AGENT_PATH, "--fd", "3")  # the listening socket the daemon bound, outside the env
         user = ROOT_USER
     elif args is None:
         if init_path is None:
@@ -369,8 +367,6 @@ def build_spec(
     if use_agent:
         mounts.append({"destination": AGENT_PATH, "type": "bind", "source": _check_abs(agent_path, "agent_path"),
                        "options": ["bind", "ro", "nosuid", "nodev"]})
-        mounts.append({"destination": AGENT_DIR, "type": "bind", "source": _check_abs(agent_dir, "agent_dir"),
-                       "options": ["bind", "rw", "nosuid", "nodev", "noexec"]})
     if etc_dir is not None:
         etc_dir = _check_abs(etc_dir, "etc_dir")
         for name in ETC_FILES:
@@ -392,7 +388,7 @@ def build_spec(
     spec_env = merge_env(base_env(env_id, user), env)
     note = {ANNOTATION_ENV_ID: env_id, ANNOTATION_NETWORK: network}
     if use_agent:
-        note[ANNOTATION_AGENT_SOCKET] = os.path.join(agent_dir, AGENT_SOCKET_NAME)  # type: ignore[arg-type]
+        note[ANNOTATION_AGENT_SOCKET] = _check_abs(agent_socket, "agent_socket")  # type: ignore[arg-type]
         note[ANNOTATION_EXEC_USER] = json.dumps(
             [default_user.uid, default_user.gid, list(default_user.additional_gids), default_user.home or ""])
     note.update(annotations or {})

@@ -156,7 +156,7 @@ def prepare_bundle(bundle_dir: str, *, env_id: str, rootfs: str, host: HostFacts
     for name, data in render_etc_files(env_id, network).items():
         with open(os.path.join(etc_dir, name), "wb") as f:
             f.write(data)
-    agent = spec_options.get("agent_path") is not None and spec_options.get("agent_dir") is not None
+    agent = spec_options.get("agent_path") is not None and spec_options.get("agent_socket") is not None
     init_path = None if spec_options.get("args") or agent else host.require_init()
     soft, hard = spec_options.pop("nofile", DEFAULT_NOFILE)
     hard = min(hard, host.nofile_hard)
@@ -200,6 +200,9 @@ class _MountAttr(ctypes.Structure):
 # write failed.
 _TRAMPOLINE = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ >"/dev/fd/$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
 TRAMPOLINE_FAILED = 125
+# The same, then duplicate descriptor $s to 3 for ``crun --preserve-fds 1`` (the agent's listening socket).
+_TRAMPOLINE_FD3 = ('s=$1; shift; n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ >"/dev/fd/$1" || exit 125; shift; '
+                   'n=$((n-1)); done; eval "exec 3<&$s" || exit 125; exec "$@"')
 
 
 class _CgroupFds:
@@ -223,7 +226,11 @@ class _CgroupFds:
             os.close(fd)
         self.fds = []
 
-    def wrap(self, argv: list[str]) -> list[str]:
+    def wrap(self, argv: list[str], *, fd3: int | None = None) -> list[str]:
+        if fd3 is not None:
+            # bash, not sh: dash takes single-digit descriptors only in redirections
+            return ["/bin/bash", "-c", _TRAMPOLINE_FD3, "weenv-spawn", str(fd3), str(len(self.fds)),
+                    *map(str, self.fds), *argv]
         if not self.fds:
             return argv
         return ["/bin/sh", "-c", _TRAMPOLINE, "weenv-spawn", str(len(self.fds)), *map(str, self.fds), *argv]
@@ -452,8 +459,10 @@ class CrunRuntime(Runtime):
     # -- Runtime -------------------------------------------------------------------------------
 
     async def create(
-        self, env_id: str, bundle_dir: str, rootfs: str, spec: Mapping, cgroup_procs: Sequence[str] = ()
+        self, env_id: str, bundle_dir: str, rootfs: str, spec: Mapping, cgroup_procs: Sequence[str] = (),
+        *, listen_fd: int | None = None,
     ) -> int:
+        """``listen_fd`` is handed to the init as descriptor 3 (the in-env agent's listening socket)."""
         spec = dict(spec)
         spec["root"] = {**spec.get("root", {}), "path": rootfs}
         config = os.path.join(bundle_dir, "config.json")
@@ -473,7 +482,9 @@ class CrunRuntime(Runtime):
         try:
             with _CgroupFds(cgroup_procs) as cg:
                 argv = cg.wrap(
-                    [*self._base, f"--log=file:{crun_log}", "create", "--bundle", bundle_dir, "--pid-file", pid_file, env_id]
+                    [*self._base, f"--log=file:{crun_log}", "create", "--bundle", bundle_dir, "--pid-file", pid_file,
+                     *(["--preserve-fds=1"] if listen_fd is not None else []), env_id],
+                    fd3=listen_fd,
                 )
 
                 def spawn() -> int:
@@ -483,7 +494,8 @@ class CrunRuntime(Runtime):
                     if recipe is not None:
                         recipe()
                     return subprocess.run(
-                        argv, stdin=subprocess.DEVNULL, stdout=init_log, stderr=init_log, pass_fds=cg.fds
+                        argv, stdin=subprocess.DEVNULL, stdout=init_log, stderr=init_log,
+                        pass_fds=(*cg.fds, *([listen_fd] if listen_fd is not None else [])),
                     ).returncode
 
                 _t0 = time.perf_counter()
@@ -817,7 +829,7 @@ class FakeRuntime(Runtime):
             raise ContainerNotFoundError("no such container", env_id=env_id)
         return c
 
-    async def create(self, env_id, bundle_dir, rootfs, spec, cgroup_procs=()) -> int:
+    async def create(self, env_id, bundle_dir, rootfs, spec, cgroup_procs=(), *, listen_fd=None) -> int:
         await trio.lowlevel.checkpoint()
         self.calls.append(("create", env_id))
         if env_id in self.containers:

@@ -6,7 +6,10 @@
  * the init itself. This replaces `crun exec` (a fork of crun, state parsing and setns into every
  * namespace, ~12-20 ms) with a fork+exec in the env (~1 ms).
  *
- * usage: weenv-agent SOCKET_PATH
+ * usage: weenv-agent --fd N       accept on an inherited listening socket (what weenv does: the
+ *                                socket is bound by the daemon outside the env, so nothing in the
+ *                                env can replace it with a link to some other socket)
+ *        weenv-agent SOCKET_PATH  bind a socket at SOCKET_PATH (for tests and other runtimes)
  *
  * Protocol: one command per connection; frames are [type:1][length:4, big endian][payload].
  *   daemon -> agent  'R' request: NUL-terminated key/value strings, keys: arg (repeated, argv),
@@ -341,8 +344,8 @@ static void reap(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s SOCKET_PATH\n", argv[0]);
+    if (argc != 2 && !(argc == 3 && !strcmp(argv[1], "--fd"))) {
+        fprintf(stderr, "usage: %s --fd N | SOCKET_PATH\n", argv[0]);
         return 2;
     }
     for (int i = 0; i < MAX_CONNS; i++) conns[i].fd = conns[i].in_fd = conns[i].out_fd = conns[i].err_fd = -1;
@@ -354,20 +357,33 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &mask, NULL);
     signal(SIGPIPE, SIG_IGN);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-    int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    if (sfd < 0 || lfd < 0 || strlen(argv[1]) >= sizeof addr.sun_path) {
-        perror("weenv-agent: setup");
+    int lfd;
+    if (argc == 3) {
+        lfd = atoi(argv[2]);
+        if (lfd < 3 || fcntl(lfd, F_SETFD, FD_CLOEXEC) < 0) {
+            fprintf(stderr, "weenv-agent: fd %s is not an open listening socket\n", argv[2]);
+            return 1;
+        }
+    } else {
+        lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_un addr = {.sun_family = AF_UNIX};
+        if (lfd < 0 || strlen(argv[1]) >= sizeof addr.sun_path) {
+            perror("weenv-agent: socket");
+            return 1;
+        }
+        strcpy(addr.sun_path, argv[1]);
+        unlink(argv[1]);
+        mode_t old = umask(077);
+        if (bind(lfd, (struct sockaddr *)&addr, sizeof addr) < 0 || listen(lfd, 128) < 0) {
+            perror("weenv-agent: bind");
+            return 1;
+        }
+        umask(old);
+    }
+    if (sfd < 0) {
+        perror("weenv-agent: signalfd");
         return 1;
     }
-    strcpy(addr.sun_path, argv[1]);
-    unlink(argv[1]);
-    mode_t old = umask(077);
-    if (bind(lfd, (struct sockaddr *)&addr, sizeof addr) < 0 || listen(lfd, 128) < 0) {
-        perror("weenv-agent: bind");
-        return 1;
-    }
-    umask(old);
     struct pollfd pfds[2 + MAX_CONNS * 4];
     struct conn *owners[2 + MAX_CONNS * 4];
     int kinds[2 + MAX_CONNS * 4]; /* 0 conn, 1 stdout, 2 stderr, 3 stdin */
