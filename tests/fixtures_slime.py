@@ -230,6 +230,7 @@ class FakeSGLang:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
+        self._server.block_on_close = False  # keep-alive handler threads end with the process
         self.host, self.port = self._server.server_address[0], self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="fake-sglang", daemon=True)
         self._thread.start()
