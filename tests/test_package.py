@@ -290,6 +290,10 @@ def test_bad_input_gets_clear_errors(daemon, home, tmp_path):
     repo.write("a.txt", "edited but not committed\n")
     with pytest.raises(PackageError, match="uncommitted changes \\(a.txt\\)"):
         package(str(repo.path), ref="bad:dirty", **kw)
+    with pytest.raises(PackageError, match="environment variable names .*'1BAD'"):
+        package(str(repo.path), ref="bad:env", commit=c1, env={"1BAD": "x"}, **kw)
+    with pytest.raises(PackageError, match="workdir must be an absolute path"):
+        package(str(repo.path), ref="bad:workdir", commit=c1, workdir="repo", **kw)
     with pytest.raises(PackageError) as ei:
         package(str(repo.path), ref="bad:setup", commit=c1,
                 setup=["true", "echo step two output; echo the-error-tail >&2; exit 3"], **kw)

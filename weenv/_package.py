@@ -68,6 +68,7 @@ LOCAL_SOURCE_REPO = "weenv-package/src"  # embedded-store repos that keep source
 LOCAL_TASK_REPO = "weenv-package/task"
 TASK_ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"  # an OCI tag: ids go into refs
 _NAME_BAD = re.compile(r"[^a-z0-9-]+")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _URL = re.compile(r"^([a-z][a-z0-9+.-]*://|[A-Za-z0-9._-]+@[^:/\s]+:)")
 
 Stage = Callable[[str], Any]
@@ -516,6 +517,10 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
     src = open_source(repo, commit, base_dir=base_dir)
     name = plan_name(name) if name else _default_name(ref, repo)
     env = dict(env or {})
+    bad = [k for k in env if not _ENV_NAME.match(k)]
+    if bad:
+        raise PackageError(f"environment variable names must be letters, digits and '_' (not starting with a "
+                           f"digit): {', '.join(map(repr, bad))}")
     setup = list(setup)
     warnings = []
     if target.registry is not None:
@@ -535,16 +540,22 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
         hit = _cache_get(key)
         cached = hit is not None
         if hit is None:
-            src_group = _source_layer(src, base_lock, workdir=workdir, include_git=include_git, gitignore=gitignore,
-                                      chown=chown, on_stage=stage)
-            digests = [src_group.layer_digest]
-            if setup:
-                if c is None:
-                    c = Client(timeout_s=(setup_timeout_s or 24 * 3600.0) + 120.0)
-                digests += _run_setup(c, base_lock, src_group, name=name, setup=setup, env=env, workdir=workdir,
-                                      timeout_s=setup_timeout_s, steps=steps, created=created, on_stage=stage)
-            stage("squash")
-            hit = _seal(digests, src_group, origin=src.origin)
+            try:
+                src_group = _source_layer(src, base_lock, workdir=workdir, include_git=include_git,
+                                          gitignore=gitignore, chown=chown, on_stage=stage)
+                digests = [src_group.layer_digest]
+                if setup:
+                    if c is None:
+                        c = Client(timeout_s=(setup_timeout_s or 24 * 3600.0) + 120.0)
+                    digests += _run_setup(c, base_lock, src_group, name=name, setup=setup, env=env,
+                                          workdir=workdir, timeout_s=setup_timeout_s, steps=steps, created=created,
+                                          on_stage=stage)
+                stage("squash")
+                hit = _seal(digests, src_group, origin=src.origin)
+            except (RegistryError, layerfmt.LayerError) as e:
+                raise PackageError(f"{src.origin}: {e}") from None
+            except OSError as e:
+                raise PackageError(f"{src.origin}: {e.strerror or e}: {e.filename or ''}") from None
             _cache_put(key, hit)
         stage("publish")
         from .registry import LayoutStore

@@ -72,7 +72,7 @@ def package_cmd(repo: str | None, base: str | None, ref: str | None, commit: str
 
     Each tasks.jsonl line: {"id", "repo" (path or git URL), "commit", "setup": [...], "env"?, "workdir"?}.
     """
-    from .._package import PackageError
+    from .._client import WeenvError
 
     try:
         if check_lock is not None:
@@ -100,7 +100,7 @@ def package_cmd(repo: str | None, base: str | None, ref: str | None, commit: str
         _single(repo, base=base, ref=ref, commit=commit, setup=setup, workdir=workdir, env=_env_pairs(env_vars),
                 gitignore=gitignore, include_git=include_git, chown=_owner(chown), name=name, lock_out=lock_out,
                 setup_timeout_s=setup_timeout_s, keep_snapshots=keep_snapshots, as_json=as_json)
-    except PackageError as e:
+    except WeenvError as e:  # PackageError and whatever the daemon client raised
         raise click.ClickException(str(e)) from None
 
 
