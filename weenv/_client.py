@@ -316,6 +316,10 @@ class Client:
     def snapshots(self) -> list[dict[str, Any]]:
         return self._request("GET", "/v1/snapshots").json()
 
+    def snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        """One snapshot: its layers, its plan lock (``lock``), where it came from."""
+        return self._request("GET", f"/v1/snapshots/{snapshot_id}").json()
+
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
 
@@ -460,6 +464,15 @@ class AsyncClient:
 
     async def gc(self) -> dict[str, Any]:
         return (await self._request("POST", "/v1/gc")).json()
+
+    async def snapshots(self) -> list[dict[str, Any]]:
+        return (await self._request("GET", "/v1/snapshots")).json()
+
+    async def snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        return (await self._request("GET", f"/v1/snapshots/{snapshot_id}")).json()
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
 
     async def aclose(self) -> None:
         await self._http.aclose()
