@@ -300,3 +300,12 @@ def test_the_agent_socket_is_out_of_reach_inside_the_env(daemon):
         assert env.exec(["id", "-u"], user="user").stdout == b"1000\n"
         r = env.exec(["sh", "-c", "cat /proc/self/status | grep CapEff"], user="user")
         assert r.stdout.split()[-1] == b"0000000000000000"  # a non-root command has no capability
+
+
+def test_network_host_is_an_explicit_opt_in_with_egress(daemon):
+    with daemon.client() as c:
+        with c.create(daemon.plan_lock) as isolated, c.create(daemon.plan_lock, network="host") as host:
+            assert isolated.exec(["cat", "/proc/net/route"]).stdout.count(b"\n") == 1
+            assert isolated.exec(["ls", "/sys/class/net"]).stdout.split() == [b"lo"]
+            host_ifaces = set(os.listdir("/sys/class/net"))
+            assert set(host.exec(["ls", "/sys/class/net"]).stdout.decode().split()) == host_ifaces

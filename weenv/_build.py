@@ -76,6 +76,8 @@ class GroupOut(_Strict):
 class BuildSpec(_Strict):
     from_: str = msgspec.field(name="from")
     context: str | None = None
+    # the network of RUN steps: "host" lets them download (pip, apt); the result keeps the base's network
+    network: Literal["none", "loopback", "host"] | None = None
     group: GroupOut = msgspec.field(default_factory=GroupOut)
     steps: list[Step] = []
 
@@ -233,7 +235,7 @@ def base_key(lock: Any) -> str:
 def run_steps(c: Client, steps: list[Step], *, start: dict[str, Any] | str, key: str, context: str | None = None,
               cache: StepCache | None = None, say: Callable[[str], Any] | None = None,
               label: Callable[[int, Step], str] = _step_label,
-              on_step: Callable[[int, Step], Any] | None = None) -> StepsOutcome:
+              on_step: Callable[[int, Step], Any] | None = None, network: str | None = None) -> StepsOutcome:
     """Run ``steps`` from ``start`` (a plan/lock as builtins, or a snapshot id), one env per RUN/COPY step.
 
     ``key`` identifies the start; each step's cache key chains it with the step and the
@@ -250,7 +252,7 @@ def run_steps(c: Client, steps: list[Step], *, start: dict[str, Any] | str, key:
     results: list[StepResult] = []
 
     def start_env() -> Env:
-        return c.create(current_snapshot if current_snapshot is not None else start)
+        return c.create(current_snapshot if current_snapshot is not None else start, network=network)
 
     for i, step in enumerate(steps):
         kind = step.kind()
@@ -275,7 +277,7 @@ def run_steps(c: Client, steps: list[Step], *, start: dict[str, Any] | str, key:
             files = _copy_files(context, step.copy.src)
             key = _sha(key, i, kind, msgspec.to_builtins(step), [(rel, mode, _file_digest(p)) for p, rel, mode in files])
         else:
-            key = _sha(key, i, kind, step.run, env_vars, workdir, user)
+            key = _sha(key, i, kind, step.run, env_vars, workdir, user, *([network] if network else []))
         cached = cache.get(key)
         if cached is not None:
             try:
@@ -361,7 +363,8 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
             start = msgspec.to_builtins(base_lock)
 
         # ---- steps
-        done = run_steps(c, spec.steps, start=start, key=_sha("from", start_key), context=context, say=say)
+        done = run_steps(c, spec.steps, start=start, key=_sha("from", start_key), context=context, say=say,
+                         network=spec.network)
         if done.snapshot is None:
             raise BuildError(f"{spec_path}: no RUN or COPY step: nothing to seal into a group")
 

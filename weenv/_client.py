@@ -294,11 +294,13 @@ class Client:
 
     def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
                cpu: str | float | None = None, memory: str | int | None = None, env: dict[str, str] | None = None,
-               workdir: str | None = None, user: str | None = None) -> Env:
-        """Start an env from a plan or lock (path, dict or Plan) or a snapshot id."""
+               workdir: str | None = None, user: str | None = None, network: str | None = None) -> Env:
+        """Start an env from a plan or lock (path, dict or Plan) or a snapshot id.
+
+        ``network="host"`` (the node's network, with egress) is for trusted build steps only."""
         body = _plan_body(plan_or_lock, dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
                                              memory=None if memory is None else str(memory), env=env, workdir=workdir,
-                                             user=user))
+                                             user=user, network=network))
         return Env(self, self._request("POST", "/v1/envs", json=body).json())
 
     def get(self, env_id: str) -> Env:
@@ -450,10 +452,11 @@ class AsyncClient:
 
     async def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
                      cpu: str | float | None = None, memory: str | int | None = None,
-                     env: dict[str, str] | None = None, workdir: str | None = None, user: str | None = None) -> AsyncEnv:
+                     env: dict[str, str] | None = None, workdir: str | None = None, user: str | None = None,
+                     network: str | None = None) -> AsyncEnv:
         body = _plan_body(plan_or_lock, dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
                                              memory=None if memory is None else str(memory), env=env, workdir=workdir,
-                                             user=user))
+                                             user=user, network=network))
         return AsyncEnv(self, (await self._request("POST", "/v1/envs", json=body)).json())
 
     async def get(self, env_id: str) -> AsyncEnv:

@@ -491,7 +491,7 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
             include_git: bool = False, chown: tuple[int, int] | None = None, lock_out: str | None = None,
             name: str | None = None, setup_timeout_s: float | None = DEFAULT_SETUP_TIMEOUT_S,
             keep_snapshots: bool = False, base_dir: str | None = None, client: Client | None = None,
-            on_stage: Stage | None = None) -> PackageResult:
+            on_stage: Stage | None = None, network: str | None = None) -> PackageResult:
     """Package ``repo`` at ``commit`` with ``setup`` over ``base`` (a plan/lock path or a Lock) as
     the ``task`` group ``ref``; write the task lock to ``lock_out`` (default ``./NAME.lock.toml``).
 
@@ -530,7 +530,7 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
                             f"works only here; publish them to {target.registry} and lock the base against it")
     key = _sha("package", __version__, layerfmt.FORMAT_VERSION, base_key(base_lock), base_lock.env, base_lock.workdir,
                base_lock.user, src.tree, src.commit if include_git else None, gitignore, include_git, workdir, chown,
-               setup, env)
+               setup, env, *([network] if network else []))
     lock_path = os.path.abspath(lock_out or f"{name}.lock.toml")
     steps: list[dict[str, Any]] = []
     created: list[str] = []
@@ -549,7 +549,7 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
                         c = Client(timeout_s=(setup_timeout_s or 24 * 3600.0) + 120.0)
                     digests += _run_setup(c, base_lock, src_group, name=name, setup=setup, env=env,
                                           workdir=workdir, timeout_s=setup_timeout_s, steps=steps, created=created,
-                                          on_stage=stage)
+                                          on_stage=stage, network=network)
                 stage("squash")
                 hit = _seal(digests, src_group, origin=src.origin)
             except (RegistryError, layerfmt.LayerError) as e:
@@ -586,7 +586,7 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
 
 def _run_setup(c: Client, base_lock: Any, src_group: Any, *, name: str, setup: list[str], env: dict[str, str],
                workdir: str, timeout_s: float | None, steps: list[dict[str, Any]], created: list[str],
-               on_stage: Stage) -> list[str]:
+               on_stage: Stage, network: str | None = None) -> list[str]:
     """Run the setup commands over base + source; the digests of the uppers they left, bottom first."""
     start_lock = msgspec.structs.replace(base_lock, name=name,
                                          groups=[g for g in base_lock.groups if g.name != "task"] + [src_group])
@@ -603,7 +603,7 @@ def _run_setup(c: Client, base_lock: Any, src_group: Any, *, name: str, setup: l
 
     try:
         done = run_steps(c, program, start=msgspec.to_builtins(start_lock), key=_sha("package-from", base_key(start_lock)),
-                         cache=StepCache(), label=label, on_step=on_step)
+                         cache=StepCache(), label=label, on_step=on_step, network=network)
     except StepFailedError as e:
         raise PackageError(str(e)) from e
     except BuildError:
@@ -746,6 +746,7 @@ def package_tasks(tasks_path: str, *, base: Any, ref_template: str, jobs: int = 
                   locks_dir: str | None = None, setup: list[str] | tuple[str, ...] = (),
                   workdir: str = DEFAULT_WORKDIR, include_git: bool = False, gitignore: bool = False,
                   setup_timeout_s: float | None = DEFAULT_SETUP_TIMEOUT_S, keep_snapshots: bool = False,
+                  network: str | None = None,
                   client_factory: Callable[[], Client] | None = None,
                   on_event: BatchEvent | None = None) -> BatchResult:
     """Package every task of a JSONL file with ``jobs`` in parallel; resumable and failure-isolated.
@@ -788,6 +789,7 @@ def package_tasks(tasks_path: str, *, base: Any, ref_template: str, jobs: int = 
                               include_git=include_git if task.include_git is None else task.include_git,
                               lock_out=os.path.join(locks_dir, f"{task.id}.lock.toml"), name=task.id,
                               setup_timeout_s=task.timeout_s or setup_timeout_s, keep_snapshots=keep_snapshots,
+                              network=network,
                               base_dir=tasks_dir, client=c,
                               on_stage=lambda text: emit("stage", task.id, text))
             rec = TaskRecord(id=task.id, status="ok", ref=res.ref, digest=res.digest, lock=res.lock,

@@ -48,6 +48,9 @@ def _owner(value: str | None) -> tuple[int, int] | None:
 @click.option("--setup-timeout", "setup_timeout_s", type=click.FloatRange(min=0, min_open=True), default=1800.0,
               show_default=True, help="Seconds each setup command may run.")
 @click.option("--keep-snapshots", is_flag=True, help="Keep the setup step snapshots (faster setup iteration).")
+@click.option("--network", type=click.Choice(["none", "loopback", "host"]), default=None,
+              help="Network of the setup commands: 'host' lets them download (pip, apt). The task lock keeps the "
+                   "base's network.")
 @click.option("--tasks", "tasks_path", type=click.Path(dir_okay=False), help="Batch: a JSONL file of tasks.")
 @click.option("--ref-template", help="Batch: the ref of each task, e.g. 'reg.example/tasks:{id}'.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=4, show_default=True, help="Batch: tasks in parallel.")
@@ -61,7 +64,7 @@ def _owner(value: str | None) -> tuple[int, int] | None:
 def package_cmd(repo: str | None, base: str | None, ref: str | None, commit: str | None, setup: tuple[str, ...],
                 workdir: str, env_vars: tuple[str, ...], gitignore: bool, include_git: bool, chown: str | None,
                 name: str | None, lock_out: str | None, setup_timeout_s: float, keep_snapshots: bool,
-                tasks_path: str | None, ref_template: str | None, jobs: int, results_path: str | None,
+                network: str | None, tasks_path: str | None, ref_template: str | None, jobs: int, results_path: str | None,
                 locks_dir: str | None, check_lock: str | None, smoke: str | None, as_json: bool) -> None:
     """Package REPO at a commit (plus setup) as a thin task group over --base.
 
@@ -91,7 +94,7 @@ def package_cmd(repo: str | None, base: str | None, ref: str | None, commit: str
                 raise click.UsageError("--tasks needs --ref-template (e.g. 'REG/tasks:{id}')")
             _batch(tasks_path, base=base, ref_template=ref_template, jobs=jobs, results_path=results_path,
                    locks_dir=locks_dir, setup=setup, workdir=workdir, include_git=include_git, gitignore=gitignore,
-                   setup_timeout_s=setup_timeout_s, keep_snapshots=keep_snapshots, as_json=as_json)
+                   setup_timeout_s=setup_timeout_s, keep_snapshots=keep_snapshots, network=network, as_json=as_json)
             return
         if not repo:
             raise click.UsageError("give REPO (or --tasks FILE, or --check LOCK)")
@@ -99,7 +102,7 @@ def package_cmd(repo: str | None, base: str | None, ref: str | None, commit: str
             raise click.UsageError("--ref is required")
         _single(repo, base=base, ref=ref, commit=commit, setup=setup, workdir=workdir, env=_env_pairs(env_vars),
                 gitignore=gitignore, include_git=include_git, chown=_owner(chown), name=name, lock_out=lock_out,
-                setup_timeout_s=setup_timeout_s, keep_snapshots=keep_snapshots, as_json=as_json)
+                setup_timeout_s=setup_timeout_s, keep_snapshots=keep_snapshots, network=network, as_json=as_json)
     except WeenvError as e:  # PackageError and whatever the daemon client raised
         raise click.ClickException(str(e)) from None
 

@@ -37,7 +37,7 @@ LOCK_VERSION = 1
 
 GROUP_CLASSES: tuple[str, ...] = ("os", "toolchain", "harness", "evaluator", "task")
 """Change-rate classes, bottom first: groups are listed in this order (equal classes may repeat)."""
-NETWORKS: tuple[str, ...] = ("none", "loopback")
+NETWORKS: tuple[str, ...] = ("none", "loopback", "host")
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -83,7 +83,7 @@ MemorySize = Annotated[int, Meta(ge=MIN_MEMORY_BYTES, extra=SIZE_UNIT,
 DiskSize = Annotated[int, Meta(ge=MIN_DISK_BYTES, extra=SIZE_UNIT,
                                description='Bytes, or a size such as "512MiB", "2GiB", "1.5G".')]
 GroupClass = Literal["os", "toolchain", "harness", "evaluator", "task"]
-Network = Literal["none", "loopback"]
+Network = Literal["none", "loopback", "host"]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -164,7 +164,8 @@ class Plan(_Strict, kw_only=True):
     ))] | None = None
     resources: Resources = Resources()
     network: Annotated[Network, Meta(description=(
-        "none: an empty network namespace; loopback: the same with lo up (127.0.0.1 works)."
+        "none: an empty network namespace; loopback: the same with lo up (127.0.0.1 works); "
+        "host: the node's own network (egress, for trusted build and packaging steps only)."
     ))] = DEFAULT_NETWORK
     ttl_s: Annotated[float, Meta(gt=0, description="Seconds until the env is killed; default: no TTL.")] | None = None
     mounts: Annotated[list[Mount], Meta(description="Read-only host bind mounts.")] = []

@@ -27,6 +27,7 @@ def apply_overrides(
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     user: str | None = None,
+    network: str | None = None,
 ) -> P:
     """A copy of ``plan`` (a :class:`Lock` stays a lock) with the given values replaced.
 
@@ -52,7 +53,7 @@ def apply_overrides(
             problems.append(Problem("memory", str(e)))
     if problems:
         raise PlanValidationError(OVERRIDES_SOURCE, problems)
-    for key, value in (("name", name), ("ttl_s", ttl_s), ("workdir", workdir), ("user", user)):
+    for key, value in (("name", name), ("ttl_s", ttl_s), ("workdir", workdir), ("user", user), ("network", network)):
         if value is not None:
             data[key] = value
     if env is not None:

@@ -348,7 +348,7 @@ class Daemon:
             raise HTTPError(400, "bad_request", "create needs 'plan' (an object) or 'plan_text'")
         overrides = body.get("overrides") or {}
         if overrides:
-            allowed = {"name", "ttl_s", "cpu", "memory", "env", "workdir", "user"}
+            allowed = {"name", "ttl_s", "cpu", "memory", "env", "workdir", "user", "network"}
             unknown = set(overrides) - allowed
             if unknown:
                 raise HTTPError(400, "bad_request", f"unknown overrides {sorted(unknown)}; allowed: {sorted(allowed)}")

@@ -45,7 +45,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: soft, hard
 DEFAULT_NOFILE = (1024, 524288)
 
-NETWORK_MODES = ("none", "loopback")
+NETWORK_MODES = ("none", "loopback", "host")
 
 #: Annotation keys the runtime reads back from a container's config.
 ANNOTATION_ENV_ID = "org.weenv.env-id"
@@ -393,7 +393,9 @@ def build_spec(
             [default_user.uid, default_user.gid, list(default_user.additional_gids), default_user.home or ""])
     note.update(annotations or {})
     linux: dict = {
-        "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+        # network = host shares the node's network namespace (explicit opt-in, for trusted builds)
+        "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")
+                       if not (t == "network" and network == "host")],
         "maskedPaths": list(MASKED_PATHS),
         "readonlyPaths": list(READONLY_PATHS),
         "rootfsPropagation": "rprivate",
@@ -427,6 +429,12 @@ def render_etc_files(env_id: str, network: str) -> dict[str, bytes]:
         f"127.0.1.1\t{env_id}\n"
     )
     resolv = f"# weenv: network={network}, no DNS resolver in this env\n"
+    if network == "host":
+        try:
+            with open("/etc/resolv.conf", "rb") as f:
+                resolv = f.read().decode("utf-8", "replace")
+        except OSError:
+            pass
     return {"hosts": hosts.encode(), "hostname": f"{env_id}\n".encode(), "resolv.conf": resolv.encode()}
 
 
