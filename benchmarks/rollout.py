@@ -33,15 +33,19 @@ from tests.fixtures_slime import FakeSGLang, Sample, sampling_params, slime_args
 from ._daemon import bench_daemon
 from ._util import Report, arg_parser
 
-def setup_commands(install_s: float) -> list[str]:
+def setup_commands(install_s: float, cpu_loops: int) -> list[str]:
     """A task's preparation: a small repository, plus ``install_s`` of waiting that stands for a
-    network-bound dependency install (pip/npm/apt downloads)."""
-    return [
+    network-bound dependency install (pip/npm/apt downloads), plus ``cpu_loops`` iterations of a
+    shell loop that stand for CPU-bound preparation (building)."""
+    commands = [
         "mkdir -p /task/src && cd /task/src && i=0; while [ $i -lt 200 ]; do echo \"def f$i(): return $i\" > m$i.py; "
         "i=$((i+1)); done",
         "dd if=/dev/urandom of=/task/blob bs=1M count=4 2>/dev/null && echo 'x = 1' > /task/src/main.py",
         f"sleep {install_s:g}",
     ]
+    if cpu_loops:
+        commands.append(f"i=0; while [ $i -lt {cpu_loops} ]; do i=$((i+1)); done")
+    return commands
 CALLS = [
     "ls /task/src | wc -l",
     "echo 'x = 2' > /task/src/main.py && echo edited",
@@ -105,17 +109,19 @@ def main() -> None:
     p.add_argument("--create-concurrency", type=int, default=16)
     p.add_argument("--max-envs", type=int, default=32, help="envs alive at once (weenv_max_envs)")
     p.add_argument("--install-s", type=float, default=5.0, help="simulated dependency install in the setup")
+    p.add_argument("--setup-cpu-loops", type=int, default=0, help="CPU-bound setup work (shell loop iterations)")
+    p.add_argument("--name", default="rollout", help="results file name (for variants of the scenario)")
     opts = p.parse_args()
     if opts.quick:
         opts.tasks, opts.samples, opts.calls, opts.install_s = 2, 4, 2, 0.2
-    report = Report("rollout", "slime rollout step: fork per group vs fresh env per sample", opts.quick)
+    report = Report(opts.name, "slime rollout step: fork per group vs fresh env per sample", opts.quick)
     server = FakeSGLang(latency_s=opts.gen_latency_ms / 1000)
     server.reply = turns(script(opts.calls))
     results: dict[str, dict[str, Any]] = {}
     try:
         with bench_daemon("rollout") as d:
             for mode, fork in (("fresh", False), ("fork", True)):
-                args = slime_args(server, weenv_socket=d.socket, weenv_plan=d.plan_lock, weenv_setup=setup_commands(opts.install_s),
+                args = slime_args(server, weenv_socket=d.socket, weenv_plan=d.plan_lock, weenv_setup=setup_commands(opts.install_s, opts.setup_cpu_loops),
                                   weenv_evaluator={"command": EVALUATOR}, weenv_group_fork=fork,
                                   weenv_create_concurrency=opts.create_concurrency, weenv_max_envs=opts.max_envs,
                                   n_samples_per_prompt=opts.samples, weenv_command_timeout_s=60)
