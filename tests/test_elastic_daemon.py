@@ -155,6 +155,7 @@ def test_daemon_flags_reach_the_monitor(client):
     assert top["policy"]["hold_s"] == HOLD_S
     assert top["policy"]["node_memory_reserve_bytes"] == 256 * MIB
     assert top["policy"]["memory_headroom_bytes"] == 16 * MIB
+    assert top["policy"]["memory_burst_reservation"] is True
     assert top["interval_ms"] == 200
     # Other thresholds keep their defaults.
     assert top["policy"]["memory_high_water"] == 0.80 and top["policy"]["cpu_throttle_up_share"] == 0.30

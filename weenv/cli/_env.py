@@ -64,11 +64,15 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
               help="Cores handed out above the mins at once [default: the node's cores].")
 @click.option("--cpu-min-overcommit", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="Admission: the CPU mins may add up to the node's cores times this.")
+@click.option("--memory-burst-reservation/--no-memory-burst-reservation", default=True, show_default=True,
+              help="A memory burst starts only if the node can cover the env up to its max (no deadlock "
+                   "of half-grown envs on a full node).")
 @click.option("--debug", is_flag=True)
 def daemon_cmd(envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
                hold_s: float, cpu_throttle_up: float, cpu_low: float, memory_high_water: float,
                memory_low_water: float, memory_pressure_up: float, memory_headroom: int, node_reserve: int,
-               cpu_burst_budget: float | None, cpu_min_overcommit: float, debug: bool) -> None:
+               cpu_burst_budget: float | None, cpu_min_overcommit: float, memory_burst_reservation: bool,
+               debug: bool) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed)."""
     from ..provision import DaemonConfig, serve
     from ..provision._policy import PolicyConfig
@@ -82,6 +86,7 @@ def daemon_cmd(envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: in
         memory_low_water=memory_low_water, memory_pressure_up_share=memory_pressure_up, hold_s=hold_s,
         memory_headroom_bytes=memory_headroom, node_memory_reserve_bytes=node_reserve,
         cpu_burst_budget_cores=cpu_burst_budget, cpu_min_overcommit=cpu_min_overcommit,
+        memory_burst_reservation=memory_burst_reservation,
     )
     serve(DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms,
                        monitor_offload=monitor_offload, policy=policy, cgroup_root=cgroup_root), debug=debug)

@@ -67,7 +67,7 @@ class MonitorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 class _Env:
     __slots__ = (
         "env_id", "cgroup", "limits", "memory_limits", "state", "last", "metrics", "last_change", "decision",
-        "error", "key", "settled", "watch", "sampled_s",
+        "error", "key", "settled", "watch", "sampled_s", "waiting_since",
     )  # fmt: skip
 
     def __init__(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, state: EnvQuotaState):
@@ -94,6 +94,9 @@ class _Env:
         self.watch: int | None = None
         #: When a tick last sampled it (quiet ticks skip settled envs; see Monitor.tick).
         self.sampled_s = float("-inf")
+        #: Since when a memory doubling has been refused (None: not waiting). Waiting envs decide
+        #: first, oldest first, so freed memory goes to them in order.
+        self.waiting_since: float | None = None
 
 
 class Monitor:
@@ -146,6 +149,7 @@ class Monitor:
         self._admitted = 0
         self._admission_refusals = 0
         self._fast_steps = 0
+        self._pending: list[tuple[float, EnvLimits]] = []
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self._urgent: dict[str, _Env] = {}
@@ -172,6 +176,7 @@ class Monitor:
         # A baseline now lets the very first tick judge rates (one tick sooner to react).
         env.last = cgroup.sample()
         self._envs[env_id] = env
+        self._take_pending(limits)
         self._watch(env)
         log.info(
             "env %s: monitored, cpu %s cores, memory %s bytes (limits %s)",
@@ -193,22 +198,49 @@ class Monitor:
 
     # -- node admission ------------------------------------------------------------------------
 
+    #: An admitted env that is not added within this long (its start failed) stops counting.
+    PENDING_ADMISSION_S = 120.0
+
+    def _live_pending(self) -> list[EnvLimits]:
+        horizon = time.monotonic() - self.PENDING_ADMISSION_S
+        self._pending = [(t, lim) for t, lim in self._pending if t > horizon]
+        return [lim for _, lim in self._pending]
+
     def node_view(self) -> NodeView:
-        """The node as of the last tick (read now if there was none)."""
-        if self._node is None:
-            total, available = self._node_memory()
-            return self._build_node(total, available)
-        return self._node
+        """The node now: its memory read fresh, every monitored env's quotas as they stand, and
+        the mins of envs admitted but not added yet counted as promised."""
+        total, available = self._node_memory()
+        node = self._build_node(total, available)
+        pending = sum(lim.memory_range[0] for lim in self._live_pending() if lim.memory_range)
+        if pending:
+            node = msgspec.structs.replace(node, memory_promised_bytes=node.memory_promised_bytes + pending)
+        return node
 
     def admit(self, limits: EnvLimits) -> Admission:
-        """Would an env with these limits get its mins next to the monitored ones? Counted."""
-        verdict = admit(limits, self.node_view(), (e.limits for e in self._envs.values()), self.cfg)
+        """Would an env with these limits get its mins next to the monitored ones and the ones
+        admitted before it (still starting)? Counted. An admitted env counts from now on, until
+        :meth:`add` takes it over or :meth:`cancel_admission` (or ``PENDING_ADMISSION_S``) drops it:
+        concurrent creates cannot all squeeze into the same room."""
+        committed = [e.limits for e in self._envs.values()] + self._live_pending()
+        verdict = admit(limits, self.node_view(), committed, self.cfg)
         if verdict:
             self._admitted += 1
+            self._pending.append((time.monotonic(), limits))
         else:
             self._admission_refusals += 1
             log.warning("admission refused: %s", verdict.reason)
         return verdict
+
+    def cancel_admission(self, limits: EnvLimits) -> bool:
+        """An admitted env will not be added after all (its start failed)."""
+        return self._take_pending(limits)
+
+    def _take_pending(self, limits: EnvLimits) -> bool:
+        for i, (_, lim) in enumerate(self._pending):
+            if lim == limits:
+                del self._pending[i]
+                return True
+        return False
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -363,8 +395,7 @@ class Monitor:
             self._node_read_s = started
         now = trio.current_time()
         live = self._envs
-        committed = 0.0
-        promised = 0
+        acc = [0.0, 0, 0]  # cpu burst committed, memory promised, memory reserved
         todo: list[tuple[_Env, CgroupSample, bool]] = []
         for env, sample in zip(envs, samples):
             if live.get(env.env_id) is not env:
@@ -392,27 +423,32 @@ class Monitor:
                     log.warning("env %s: cannot sample its cgroup: %s", env.env_id, sample)
                 env.error = str(sample)
                 sample = env.last
-            committed, promised = self._add_commitments(env, sample, committed, promised)
+            self._add_commitments(env, env.state, sample, acc)
         if partial:
             stepped = {env.env_id for env in envs}
             for env in live.values():
                 if env.env_id not in stepped:
-                    committed, promised = self._add_commitments(env, env.last, committed, promised)
+                    self._add_commitments(env, env.state, env.last, acc)
         node = NodeView(
             cpu_cores=self.cpu_cores,
-            cpu_burst_committed_cores=committed,
+            cpu_burst_committed_cores=acc[0],
             memory_total_bytes=total,
             memory_available_bytes=available,
-            memory_promised_bytes=promised,
+            memory_promised_bytes=acc[1],
+            memory_reserved_bytes=acc[2],
         )
         changes: list[tuple[_Env, Decision]] = []
         cfg = self.cfg
+        # Memory held back in this tick for waiting envs that could not start their burst: later
+        # envs must not overtake them with smaller requests (the oldest waiter goes first).
+        held = 0
+        todo.sort(key=_waiting_first)
         for env, sample, unchanged in todo:
             prev = env.last
             self._count(env, sample, prev)
             old = env.state
             if fast:
-                d = decide(old, sample, prev, env.memory_limits, node, cfg, now)
+                d = decide(old, sample, prev, env.memory_limits, node_for(node, held), cfg, now)
                 # CPU was not judged (a few ms of counters say nothing): keep its state and view.
                 d = msgspec.structs.replace(
                     d,
@@ -422,7 +458,7 @@ class Monitor:
                     cpu_throttled_share=env.decision.cpu_throttled_share if env.decision else None,
                 )
             else:
-                d = decide(old, sample, prev, env.limits, node, cfg, now)
+                d = decide(old, sample, prev, env.limits, node_for(node, held), cfg, now)
             env.last = sample
             env.decision = d
             new = d.state
@@ -432,6 +468,14 @@ class Monitor:
             if d.memory_refused and not old.memory_refused:
                 env.metrics.memory_refusals += 1
                 log.warning("env %s: %s", env.env_id, "; ".join(d.reasons))
+            if d.memory_refused:
+                if env.waiting_since is None:
+                    env.waiting_since = now
+                mem = env.limits.memory_range
+                if cfg.memory_burst_reservation and mem is not None and not new.memory_bursting:
+                    held += mem[1] - (old.memory_limit_bytes or 0)
+            else:
+                env.waiting_since = None
             if d.cpu_change is None and d.memory_change is None:
                 env.state = new
                 env.settled = (
@@ -449,6 +493,7 @@ class Monitor:
                 + ((d.cpu_quota_cores or cpu_lo) - (old.cpu_quota_cores or cpu_lo)),
                 memory_promised_bytes=node.memory_promised_bytes
                 + ((d.memory_limit_bytes or 0) - (old.memory_limit_bytes or 0)),
+                memory_reserved_bytes=node.memory_reserved_bytes + _reserved(env, new) - _reserved(env, old),
             )
         self._node = node
         if changes:
@@ -490,31 +535,30 @@ class Monitor:
     # -- bookkeeping -------------------------------------------------------------------------------
 
     @staticmethod
-    def _add_commitments(
-        env: _Env, sample: CgroupSample | None, committed: float, promised: int
-    ) -> tuple[float, int]:
+    def _add_commitments(env: _Env, state: EnvQuotaState, sample: CgroupSample | None, acc: list) -> None:
+        """Adds the env's share to ``acc`` = [cpu burst committed, memory promised, reserved]."""
         cpu = env.limits.cpu_range
-        q = env.state.cpu_quota_cores
+        q = state.cpu_quota_cores
         if cpu is not None and q is not None and q > cpu[0]:
-            committed += q - cpu[0]
-        limit = env.state.memory_limit_bytes
+            acc[0] += q - cpu[0]
+        limit = state.memory_limit_bytes
         if limit is not None:
             used = sample.memory_usage_bytes if sample is not None else 0
             if limit > used:
-                promised += limit - used
-        return committed, promised
+                acc[1] += limit - used
+            acc[2] += _reserved(env, state)
 
     def _build_node(self, total: int, available: int) -> NodeView:
-        committed = 0.0
-        promised = 0
+        acc = [0.0, 0, 0]
         for env in self._envs.values():
-            committed, promised = self._add_commitments(env, env.last, committed, promised)
+            self._add_commitments(env, env.state, env.last, acc)
         return NodeView(
             cpu_cores=self.cpu_cores,
-            cpu_burst_committed_cores=committed,
+            cpu_burst_committed_cores=acc[0],
             memory_total_bytes=total,
             memory_available_bytes=available,
-            memory_promised_bytes=promised,
+            memory_promised_bytes=acc[1],
+            memory_reserved_bytes=acc[2],
         )
 
     def _count(self, env: _Env, sample: CgroupSample, prev: CgroupSample | None) -> None:
@@ -602,6 +646,8 @@ class Monitor:
                     "min_bytes": lim.memory_range[0] if lim.memory_range else None,
                     "max_bytes": lim.memory_range[1] if lim.memory_range else None,
                     "refused": env.state.memory_refused,
+                    "bursting": env.state.memory_bursting,
+                    "reserved_bytes": _reserved(env, env.state),
                     "pressure_some_avg10": s.memory_pressure_some_avg10 if s else None,
                 },
                 "pids": {"current": s.pids_current if s else None, "max": lim.pids_max},
@@ -626,6 +672,23 @@ class Monitor:
     def prometheus_text(self) -> bytes:
         """Every gauge and counter in the prometheus text format (``GET /v1/metrics``)."""
         return render_prometheus(self.snapshot(), self.statistics())
+
+
+def _reserved(env: _Env, state: EnvQuotaState) -> int:
+    """What a bursting env may still take on the way to its max."""
+    mem = env.limits.memory_range
+    if not state.memory_bursting or mem is None or state.memory_limit_bytes is None:
+        return 0
+    return max(0, mem[1] - state.memory_limit_bytes)
+
+
+def _waiting_first(item: tuple[_Env, CgroupSample, bool]) -> tuple[bool, float]:
+    since = item[0].waiting_since
+    return (since is None, since or 0.0)
+
+
+def node_for(node: NodeView, held: int) -> NodeView:
+    return node if not held else msgspec.structs.replace(node, memory_reserved_bytes=node.memory_reserved_bytes + held)
 
 
 def _accumulate(into: EnvMetrics, m: EnvMetrics) -> None:
@@ -709,6 +772,7 @@ def render_prometheus(snapshot: dict[str, Any], stats: MonitorStatistics) -> byt
                 ("memory_total_bytes", "Node memory (capped by weenv's cgroup ancestors)"),
                 ("memory_available_bytes", "Node memory the kernel could still hand out"),
                 ("memory_promised_bytes", "Sum over envs of (limit - usage)"),
+                ("memory_reserved_bytes", "Sum over bursting envs of (max - limit)"),
                 ("memory_headroom_bytes", "available - promised - reserve: room for doublings"),
                 ("cpu_cores", "CPU cores the monitor counts"),
                 ("cpu_burst_committed_cores", "Sum over envs of (quota - min)"),

@@ -11,7 +11,11 @@ Rules (see docs/elastic.md for the reasoning and the defaults):
 - Memory up: usage >= ``memory_high_water`` of the limit, or the limit was hit (failcnt /
   memory.events max|high), or tasks stall at it (v1), or memory pressure grew by
   ``memory_pressure_up_share`` of the wall time -> double (<= max) if the node has headroom
-  (available - promised - reserve), else refuse and leave the env throttled at its limit.
+  (available - promised - reserved - reserve), else refuse and leave the env throttled at its
+  limit. With ``memory_burst_reservation`` (the default) the first doubling of a burst must fit
+  the env's whole way to its max, which stays reserved until the burst ends (its first halving):
+  envs that cannot start a burst wait at their current limit, and every env that started one can
+  finish it, so envs never wait on each other's half-grown limits (no deadlock on a full node).
 - Memory down: usage below ``memory_low_water`` of the limit for ``hold_s`` -> halve, never below
   usage + ``memory_headroom_bytes`` nor the min.
 
@@ -104,6 +108,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     None: the node's core count."""
     cpu_min_overcommit: float = 1.0
     """Admission: the sum of CPU mins may reach node cores times this."""
+    memory_burst_reservation: bool = True
+    """A burst (memory doublings from a limit the env was not already growing from) starts only
+    if the node can cover the env up to its max, and that much stays reserved until the burst
+    ends. False: each doubling only needs its own increase (envs can then block one another,
+    each stalled at a partial limit, on a node without headroom)."""
 
 
 DEFAULT_POLICY = PolicyConfig()
@@ -121,9 +130,14 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     """Memory the kernel could still hand out (MemAvailable, capped by weenv's parent's limits)."""
     memory_promised_bytes: int = 0
     """Sum over managed envs of (limit - usage): memory envs may still take without asking."""
+    memory_reserved_bytes: int = 0
+    """Sum over bursting envs of (max - limit): what their bursts may still take."""
 
     def memory_headroom_bytes(self, cfg: PolicyConfig) -> int:
-        return self.memory_available_bytes - self.memory_promised_bytes - cfg.node_memory_reserve_bytes
+        return (
+            self.memory_available_bytes - self.memory_promised_bytes - self.memory_reserved_bytes
+            - cfg.node_memory_reserve_bytes
+        )  # fmt: skip
 
 
 class EnvQuotaState(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +153,9 @@ class EnvQuotaState(msgspec.Struct, frozen=True, kw_only=True):
     """A CPU doubling is being refused (the node's burst budget is spent)."""
     memory_refused: bool = False
     """A memory doubling is being refused (the node has no headroom)."""
+    memory_bursting: bool = False
+    """The env is growing: its way up to max is reserved on the node (memory_burst_reservation)
+    until the limit is halved again."""
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -257,6 +274,7 @@ def decide(
     mem_refused = False
     mem_low_since = state.memory_low_since_s
     mem_last_change = state.memory_last_change_s
+    bursting = state.memory_bursting
     mem = limits.memory_range
     if limit is not None and mem is not None and mem[1] > mem[0]:
         lo, hi = mem
@@ -284,20 +302,31 @@ def decide(
             if limit < hi:
                 target = min(limit * 2, hi)
                 headroom = node.memory_headroom_bytes(cfg)
-                if target - limit <= headroom:
+                if not cfg.memory_burst_reservation:
+                    need, granted = target - limit, target - limit <= headroom
+                elif bursting:
+                    # Already reserved up to max when the burst started.
+                    need, granted = 0, True
+                else:
+                    need = hi - limit
+                    granted = need <= headroom
+                if granted:
                     new_limit, mem_change, mem_last_change = target, "up", now_s
+                    bursting = cfg.memory_burst_reservation
                     reasons.append(f"memory {_mib(limit)} -> {_mib(target)}: {', '.join(signals)}")
                 else:
                     mem_refused = True
                     if not state.memory_refused:
                         reasons.append(
                             f"memory stays at {_mib(limit)} ({', '.join(signals)}): node headroom "
-                            f"{_mib(max(0, headroom))} < {_mib(target - limit)} needed"
+                            f"{_mib(max(0, headroom))} < {_mib(need)} needed"
+                            + (f" (the way to max {_mib(hi)})" if need != target - limit else "")
                         )
         elif usage < cfg.memory_low_water * limit and limit > lo:
             if mem_low_since is None:
                 mem_low_since = now_s
             elif now_s - mem_low_since >= cfg.hold_s - _EPS_S:
+                bursting = False  # the burst is over: its reservation goes back to the node
                 target = max(limit // 2, page_align_up(usage + cfg.memory_headroom_bytes), lo)
                 if target < limit:
                     new_limit, mem_change, mem_last_change = target, "down", now_s
@@ -318,6 +347,7 @@ def decide(
         memory_last_change_s=mem_last_change,
         cpu_refused=cpu_refused,
         memory_refused=mem_refused,
+        memory_bursting=bursting,
     )
     return Decision(
         state=new_state,
@@ -343,7 +373,8 @@ def admit(
 
     Memory: the mins of all envs must fit in RAM minus the reserve (mins are never taken back),
     and the new min must fit in today's headroom. CPU: the mins must fit in the node's cores
-    (times ``cpu_min_overcommit``).
+    (times ``cpu_min_overcommit``). (Mins that fill the RAM leave no env room to grow: size mins
+    to what an idle env uses.)
     """
     mem = requested_min.memory_range
     cpu = requested_min.cpu_range

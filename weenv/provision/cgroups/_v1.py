@@ -483,6 +483,10 @@ class V1Backend(CgroupBackend):
                 limit = _limit_or_none(int(self._fs.read(f"{d}/memory.limit_in_bytes")))
                 if limit is not None and limit < total:
                     usage = int(self._fs.read(f"{d}/memory.usage_in_bytes"))
+                    # Inactive page cache is reclaimed before anything else at the limit: count
+                    # it as available (the working set, as MemAvailable does for the node).
+                    stat = parse_flat_keyed(self._fs.read(f"{d}/memory.stat"))
+                    usage -= min(usage, stat.get(b"total_inactive_file", 0))
                     total = limit
                     available = min(available, max(0, limit - usage))
             except OSError as exc:

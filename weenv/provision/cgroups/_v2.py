@@ -353,6 +353,10 @@ class V2Backend(CgroupBackend):
                     limit = _max_or_int(self._fs.read(f"{d}/memory.max"))
                     if limit is not None and limit < total:
                         usage = int(self._fs.read(f"{d}/memory.current"))
+                        # Inactive page cache goes first at the limit: count it as available.
+                        if self._fs.exists(f"{d}/memory.stat"):
+                            stat = parse_flat_keyed(self._fs.read(f"{d}/memory.stat"))
+                            usage -= min(usage, stat.get(b"inactive_file", 0))
                         total = limit
                         available = min(available, max(0, limit - usage))
             except OSError as exc:

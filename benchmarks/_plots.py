@@ -1,0 +1,116 @@
+"""PNG plots of the elastic benchmarks (matplotlib, the ``bench`` extra), from a report's series.
+
+``quota_over_time``: one env's CPU quota and memory limit against its usage under bursts.
+``density``: completion time against memory overcommit for static and elastic sizing, and the
+node's memory over time in the densest elastic run that held. ``write_all`` redraws both from
+saved results (``benchmarks/_docs.py`` calls it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PLOTS = Path(__file__).resolve().parent / "plots"
+MIB = 1 << 20
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, name: str) -> str:
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    path = PLOTS / name
+    fig.savefig(path, dpi=110)
+    return f"../benchmarks/plots/{name}"  # relative to docs/
+
+
+def quota_over_time(series: dict[str, Any]) -> str | None:
+    traces = series.get("quota_trace") or []
+    if not traces:
+        return None
+    tr = traces[0]
+    plt = _pyplot()
+    fig, (ax_cpu, ax_mem) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    t = tr["t"]
+    ax_cpu.step(t, tr["cpu_quota"], where="post", label="CPU quota (cores)", color="tab:blue")
+    ax_cpu.plot(t, [u if u is not None else float("nan") for u in tr["cpu_used"]], label="CPU used (cores)",
+                color="tab:orange", alpha=0.8)
+    ax_cpu.set_ylabel("cores")
+    ax_cpu.set_ylim(0, 1.15)
+    ax_cpu.legend(loc="upper right", fontsize=8)
+    ax_cpu.set_title("One env under bursts: CPU 0.25-1 core, memory 16-448 MiB (200 ms monitor)")
+    ax_mem.step(t, [(x or 0) / MIB for x in tr["mem_limit"]], where="post", label="memory limit", color="tab:blue")
+    ax_mem.plot(t, [(x or 0) / MIB for x in tr["mem_used"]], label="memory used", color="tab:orange", alpha=0.8)
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_xlabel("seconds")
+    ax_mem.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    out = _save(fig, "quota_over_time.png")
+    plt.close(fig)
+    return out
+
+
+def density(series: dict[str, Any]) -> str | None:
+    runs = [r for r in series.get("runs") or [] if r.get("n")]
+    if not runs:
+        return None
+    plt = _pyplot()
+    over = series.get("node_over_time") or []
+    fig, axes = plt.subplots(1, 2 if over else 1, figsize=(11 if over else 6, 4))
+    ax = axes[0] if over else axes
+    limit = (series.get("slowdown_limit") or [1.10])[0]
+    for sizing, color, marker in (("static", "tab:gray", "s"), ("elastic", "tab:green", "o")):
+        rs = sorted((r for r in runs if r["sizing"] == sizing), key=lambda r: r["n"])
+        ran = [r for r in rs if r["mean_slowdown"] is not None]
+        if ran:
+            ax.plot([r["overcommit"] for r in ran], [(r["mean_slowdown"] - 1) * 100 for r in ran], marker=marker,
+                    color=color, label=f"{sizing}: mean completion vs alone")
+            for r in ran:
+                ax.annotate(f"N={r['n']}" + ("" if r["oom_kills"] == 0 else f", {r['oom_kills']} OOM"),
+                            (r["overcommit"], (r["mean_slowdown"] - 1) * 100), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7, color=color)
+        for r in rs:
+            if r["refused"]:
+                ax.scatter([r["overcommit"]], [0], marker="x", color=color, s=60,
+                           label=f"{sizing}: N={r['n']} refused by admission")
+    ax.axhline((limit - 1) * 100, color="tab:red", linestyle="--", linewidth=1, label=f"{(limit - 1) * 100:g} % slowdown")
+    ax.axvline(10, color="tab:purple", linestyle=":", linewidth=1, label="10x overcommit")
+    ax.set_xlabel("memory overcommit: Σ declared max ÷ node RAM")
+    ax.set_ylabel("completion time vs the workload alone (%)")
+    ax.set_title("Density: static vs elastic memory sizing")
+    ax.legend(fontsize=7, loc="upper left")
+    if over:
+        s = over[0]
+        n = (series.get("node_over_time_n") or ["?"])[0]
+        node = (series.get("node_bytes") or [0])[0]
+        ax2 = axes[1]
+        ax2.plot(s["t"], [x / MIB for x in s["limits"]], label="Σ memory limits", color="tab:blue")
+        ax2.plot(s["t"], [x / MIB for x in s["used"]], label="Σ memory used", color="tab:orange")
+        if node:
+            ax2.axhline(node / MIB, color="black", linewidth=1, label="node RAM")
+        declared = n * (series.get("max_bytes") or [0])[0] / MIB if isinstance(n, int) else None
+        ax2.set_title(f"Elastic, N={n}: node memory over time"
+                      + (f" (Σ max = {declared / 1024:.1f} GiB)" if declared else ""))
+        ax2.set_xlabel("seconds")
+        ax2.set_ylabel("MiB")
+        ax2.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    out = _save(fig, "density.png")
+    plt.close(fig)
+    return out
+
+
+def write_all(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Redraw the elastic plots from saved results (``benchmarks/results/density*.json``)."""
+    data = results.get("density")
+    if not data:
+        return []
+    series = data.get("series") or {}
+    return [p for p in (quota_over_time(series), density(series)) if p]
