@@ -283,7 +283,7 @@ class Episode:
         key = (group_index, spec_fingerprint(self.spec), self.evaluation)
         expected = getattr(self.args, "n_samples_per_eval_prompt" if self.evaluation else "n_samples_per_prompt", None)
         entry, leader = templates.claim(key, expected if isinstance(expected, int) and expected > 0 else None)
-        stack.push_async_callback(self._release_group, entry)
+        stack.push_async_callback(self._release_group, key, entry)
         self.record["group_role"] = "leader" if leader else "follower"
         if leader:
             try:
@@ -321,8 +321,8 @@ class Episode:
         stack.push_async_callback(self._close, sb)
         return sb, snapshot, True
 
-    async def _release_group(self, entry: Any) -> None:
-        if not self.state.templates.release(entry) or not entry.future.done() or entry.future.exception():
+    async def _release_group(self, key: Any, entry: Any) -> None:
+        if not self.state.templates.release(key, entry) or not entry.future.done() or entry.future.exception():
             return
         if entry.future.result() is not None:
             await self._delete_snapshot(entry.future.result())

@@ -4,10 +4,10 @@ The first sample to arrive with a given key (group index + what its task env is 
 the *leader*: it creates the env, runs the setup commands, commits a snapshot and publishes the
 snapshot id (or ``None`` when snapshots are unavailable) on the entry's future. Siblings wait on
 that future and start from the snapshot. Each claimer calls :meth:`release` when it no longer
-needs the snapshot (its episode and grading are over); the last one of a group of known size
-learns that the snapshot can be deleted. An entry is dropped once ``expected`` samples have
-claimed it, when its leader fails (so later samples can try again), or when the table is full
-(oldest first). No I/O here.
+needs the snapshot (its episode and grading are over); the last one learns that the snapshot can
+be deleted. An entry leaves the table once ``expected`` samples have claimed it, when its last
+user releases it, when its leader fails (so later samples can try again), or when the table is
+full (oldest first). No I/O here.
 """
 
 from __future__ import annotations
@@ -79,9 +79,13 @@ class GroupTemplates:
         if self._entries.get(key) is entry:
             del self._entries[key]
 
-    @staticmethod
-    def release(entry: GroupEntry) -> bool:
-        """The caller is done with the entry's snapshot; True when it was the last user of a group
-        whose every sample has claimed (the snapshot may now be deleted)."""
+    def release(self, key: Hashable, entry: GroupEntry) -> bool:
+        """The caller is done with the entry's snapshot. True when it was the last one using it:
+        the entry leaves the table (a late sibling would lead anew) and the snapshot may be
+        deleted. slime starts a group's samples together, so all of them claim before any ends."""
         entry.active -= 1
-        return entry.active == 0 and entry.remaining is not None and entry.remaining <= 0
+        if entry.active > 0:
+            return False
+        if self._entries.get(key) is entry:
+            del self._entries[key]
+        return True

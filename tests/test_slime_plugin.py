@@ -248,7 +248,12 @@ def test_group_templates_leader_followers_release():
         t.publish(e1, "snap-1")
         e3, lead3 = t.claim("g", 3)
         assert not lead3 and len(t) == 0  # all three claimed: the entry left the table
-        assert [t.release(e1), t.release(e2), t.release(e3)] == [False, False, True]
+        assert [t.release("g", e1), t.release("g", e2), t.release("g", e3)] == [False, False, True]
+        # a group of unknown size leaves when its last user is done; a late sibling leads anew
+        u1, _ = t.claim("u", None)
+        u2, _ = t.claim("u", None)
+        assert [t.release("u", u1), t.release("u", u2), len(t)] == [False, True, 0]
+        assert t.claim("u", None)[1]
         # a failed leader: waiting siblings see the error, the next arrival leads again
         f1, _ = t.claim("h", 4)
         f2, _ = t.claim("h", 4)
@@ -538,18 +543,21 @@ def test_max_turns_and_length_truncate(daemon, fake_sglang):
 
 
 @pytest.mark.integration
-def test_grading_in_a_clean_env_copies_only_the_named_paths(daemon, fake_sglang):
-    fake_sglang.reply = turns(["<bash>mkdir -p /work && echo 42 > /work/answer && touch /work/junk</bash>",
-                               "<answer>done</answer>"])
-    args = _episode_args(fake_sglang, daemon, weenv_evaluator={
-        "command": "test \"$(cat /work/answer)\" = 42 && test ! -e /work/junk && test \"$WEENV_LABEL\" = L",
-        "grade_in_clean_env": True, "copy_paths": ["work/answer"]})
+@pytest.mark.parametrize("setup", [[], ["mkdir -p /work && echo prepared > /work/ready"]])
+def test_grading_in_a_clean_env_copies_only_the_named_paths(daemon, fake_sglang, setup):
+    """The clean env is the plan itself, or (with setup) a snapshot taken after the setup."""
+    fake_sglang.reply = turns(["<bash>mkdir -p /work && echo 42 > /work/answer && touch /work/junk "
+                               "&& rm -f /work/ready</bash>", "<answer>done</answer>"])
+    ready = "test -f /work/ready && " if setup else ""
+    args = _episode_args(fake_sglang, daemon, weenv_setup=setup, weenv_evaluator={
+        "command": f"{ready}test \"$(cat /work/answer)\" = 42 && test ! -e /work/junk && test \"$WEENV_LABEL\" = L",
+        "grade_in_clean_env": True, "copy_paths": ["work/answer", "work/not-made"]})
     sample = Sample(index=0, prompt="p", label="L")
     run(plugin_rollout.generate(args, sample, sampling_params()))
     assert sample.status is Sample.Status.COMPLETED, sample.metadata.get("abort_reason")
     record = sample.metadata["weenv_run"]
     assert sample.reward == 1.0 and record["grade"]["clean_env"] and len(record["envs"]) == 2
-    assert _envs(daemon) == []
+    assert _envs(daemon) == [] and _snapshots(daemon) == []
 
 
 def _snapshots(daemon):
@@ -642,6 +650,10 @@ def test_slime_generate_and_rm_calls_the_plugin(daemon, fake_sglang, monkeypatch
     out = run(sglang_rollout.generate_and_rm(args, sample, sampling_params()))
     assert out.status is SlimeSample.Status.COMPLETED and out.reward == 1.0
     assert len(out.loss_mask) == out.response_length and 0 in out.loss_mask
+    # --group-rm: slime hands the whole group to --custom-rm-path
+    from slime.rollout.rm_hub import batched_async_rm  # noqa: PLC0415
+
+    assert run(batched_async_rm(args, [out, out])) == [1.0, 1.0]
     assert _envs(daemon) == []
 
 
@@ -684,7 +696,7 @@ def test_docs_worked_example_runs(daemon, fake_sglang):
         assert '<output exit_code="0">\n#!/bin/sh\necho $(($1 - $2))\n</output>' in s.response
         assert s.response.startswith("I'll look first.<bash>cat add.sh</bash>")
         assert bytes(s.tokens[:len(s.tokens) - s.response_length]).decode().startswith("system: You can run")
-    assert _envs(daemon) == []
+    assert _envs(daemon) == [] and _snapshots(daemon) == []
 
 
 @pytest.mark.integration
