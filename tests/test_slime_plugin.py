@@ -802,3 +802,25 @@ def test_sglang_retries_then_gives_up(fake_sglang):
     with pytest.raises(slime_plugin.GenerationError, match="failed 2 times; last: HTTP 503"):
         asyncio.run(call(1))
     assert fake_sglang.requests[-1]["return_logprob"] is True and fake_sglang.requests[-1]["input_ids"] == [1, 2]
+
+
+@pytest.mark.integration
+def test_cancelled_sample_still_kills_its_env(daemon, fake_sglang):
+    """slime cancels in-flight tasks (abort at the end of a step): the env must not outlive them."""
+    fake_sglang.latency_s = 3.0
+    fake_sglang.reply = turns(["<answer>late</answer>"])
+    args = _episode_args(fake_sglang, daemon)
+    sample = Sample(index=0, prompt="p")
+
+    async def main():
+        task = asyncio.create_task(plugin_rollout.generate(args, sample, sampling_params()))
+        while not fake_sglang.requests:  # the env exists once the model is asked
+            await asyncio.sleep(0.02)
+        assert len(_envs(daemon)) == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+    assert _envs(daemon) == []
+    assert sample.metadata["weenv_run"]["failed_phase"] == "generate"
