@@ -14,6 +14,7 @@ from ._config import EvaluatorSpec as EvaluatorSpec
 from ._config import RolloutSettings as RolloutSettings
 from ._config import resolve_env_spec as resolve_env_spec
 from ._config import resolve_rollout_settings as resolve_rollout_settings
+from ._errors import CapacityError as CapacityError
 from ._errors import CommandFailedError as CommandFailedError
 from ._errors import ConfigError as ConfigError
 from ._errors import GenerationAborted as GenerationAborted

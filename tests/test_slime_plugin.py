@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,7 +18,6 @@ from slime_plugin import (
     CommandFailedError,
     ConfigError,
     HermesToolCallParser,
-    SandboxError,
     WeenvSandbox,
     load_parser,
     resolve_env_spec,
@@ -43,6 +40,27 @@ def run(coro):
             await plugin_rollout.aclose()
 
     return asyncio.run(main())
+
+
+# =========================================================================== public surface
+
+
+def test_public_api_is_pinned():
+    assert sorted(n for n in dir(slime_plugin) if not n.startswith("_") and n[0].isupper() or n in (
+        "load_parser", "resolve_env_spec", "resolve_rollout_settings")) == sorted([
+        "Action", "BashBlockParser", "CallResult", "CapacityError", "CommandFailedError", "ConfigError", "EnvSpec",
+        "EvaluatorSpec", "GenerationAborted", "GenerationError", "GradingError", "HermesToolCallParser",
+        "RolloutSettings", "SandboxError", "SandboxNotStartedError", "SlimePluginError", "SnapshotUnavailableError",
+        "ToolCall", "ToolCallParser", "WeenvSandbox", "load_parser", "resolve_env_spec", "resolve_rollout_settings"])
+    assert plugin_rollout.__all__ == ["RUN_KEY", "aclose", "generate", "reward", "statistics"]
+    import inspect
+
+    from slime_plugin import sandbox
+
+    assert list(inspect.signature(sandbox.WeenvSandbox.exec).parameters) == [
+        "self", "cmd", "user", "env", "timeout", "check", "idempotent"]
+    assert list(inspect.signature(plugin_rollout.generate).parameters) == ["args", "sample", "sampling_params",
+                                                                          "evaluation"]
 
 
 # =========================================================================== parsers (pure)
