@@ -128,6 +128,11 @@ def _exec_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None
     return body
 
 
+def _exec_timeout(timeout_s: float | None) -> httpx.Timeout:
+    """An exec answers when the command ends: wait for its own timeout (and the kill), or for ever."""
+    return httpx.Timeout(None if timeout_s is None else timeout_s + 60.0, connect=10.0)
+
+
 def _stream_line(line: str, on_output: Callable[[str, bytes], Any] | None) -> ExecResult | None:
     if not line.strip():
         return None
@@ -185,10 +190,11 @@ class Env:
         """Run a command (a str runs via /bin/sh -c). ``on_output(stream, data)`` streams output as it comes."""
         body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, on_output is not None)
         url = f"/v1/envs/{self.id}/exec"
+        wait = _exec_timeout(timeout_s)
         if on_output is None:
-            resp = self.client._request("POST", url, json=body)
+            resp = self.client._request("POST", url, json=body, timeout=wait)
             return _exec_decoder.decode(resp.content)
-        with self.client._stream("POST", url, json=body) as resp:
+        with self.client._stream("POST", url, json=body, timeout=wait) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 _raise_for(resp)
@@ -354,11 +360,12 @@ class AsyncEnv:
                    on_output: Callable[[str, bytes], Any] | None = None) -> ExecResult:
         body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, on_output is not None)
         url = f"/v1/envs/{self.id}/exec"
+        wait = _exec_timeout(timeout_s)
         if on_output is None:
-            resp = await self.client._request("POST", url, json=body)
+            resp = await self.client._request("POST", url, json=body, timeout=wait)
             return _exec_decoder.decode(resp.content)
         await self.client._ensure()
-        async with self.client._http.stream("POST", url, json=body) as resp:
+        async with self.client._http.stream("POST", url, json=body, timeout=wait) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
                 _raise_for(resp)
@@ -435,7 +442,9 @@ class AsyncClient:
         except httpx.TransportError:
             if not self.autostart:
                 raise DaemonUnavailableError(f"the weenv daemon is not running ({self.socket_path})") from None
-            start_daemon(self.socket_path)  # blocking, once per client, only when the daemon is down
+            import anyio.to_thread  # httpx's own async backend layer: works under asyncio and trio
+
+            await anyio.to_thread.run_sync(start_daemon, self.socket_path)
         self._started = True
 
     async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:

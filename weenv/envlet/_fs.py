@@ -116,7 +116,13 @@ class EnvletFS(pyfuse3.Operations):
             layer, local = self._layer(parent_inode)
             child = layer.tree.lookup(local, name)
             if child is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                # A negative entry the kernel may keep as long as a positive one: layers never
+                # change. overlayfs probes every lower layer for every name it resolves, so without
+                # this each env (and each repeat) pays a FUSE round trip per missing name.
+                negative = pyfuse3.EntryAttributes()
+                negative.st_ino = 0
+                negative.entry_timeout = LAYER_TIMEOUT_S
+                return negative
             return self._attr(layer, child)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
