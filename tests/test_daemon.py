@@ -309,3 +309,46 @@ def test_network_host_is_an_explicit_opt_in_with_egress(daemon):
             assert isolated.exec(["ls", "/sys/class/net"]).stdout.split() == [b"lo"]
             host_ifaces = set(os.listdir("/sys/class/net"))
             assert set(host.exec(["ls", "/sys/class/net"]).stdout.decode().split()) == host_ifaces
+
+
+def test_autostart_starts_one_daemon_for_concurrent_clients(tmp_path, monkeypatch):
+    import threading as _threading
+
+    from .fixtures_common import require_fuse
+
+    require_fuse()
+    home = str(tmp_path / "home")
+    sock = os.path.join(home, "run", "weenv.sock")
+    with pytest.raises(weenv.DaemonUnavailableError, match="WEENV_AUTOSTART=0"):
+        weenv.Client(sock).ping()
+    monkeypatch.setenv("WEENV_AUTOSTART", "1")
+    pids: list[int] = []
+
+    def ping() -> None:
+        with weenv.Client(sock) as c:
+            pids.append(c.ping()["pid"])
+
+    threads = [_threading.Thread(target=ping) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(pids) == 4 and len(set(pids)) == 1
+        running = subprocess.run(["pgrep", "-f", "weenv daemon"], capture_output=True, text=True).stdout.split()
+        mine = [p for p in running if f"WEENV_HOME={home}" in open(f"/proc/{p}/environ").read().replace("\0", " ")]
+        assert mine == [str(pids[0])]
+    finally:
+        os.kill(pids[0], 15) if pids else None
+        from weenv.envlet import EnvletClient
+
+        time.sleep(1)
+        try:
+            os.kill(EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"], 15)
+            time.sleep(1)
+        except Exception:
+            pass
+        subprocess.run(["fusermount3", "-u", "-z", os.path.join(home, "envlet", "mnt")], capture_output=True)
+        from weenv.provision.cgroups import detect_backend
+
+        detect_backend("weenv").remove_parent()  # the autostarted daemon's parent group (empty by now)

@@ -148,25 +148,41 @@ def _stream_line(line: str, on_output: Callable[[str, bytes], Any] | None) -> Ex
     return msgspec.convert(msg["result"], ExecResult)
 
 
-def start_daemon(socket_path: str, timeout_s: float = 30.0) -> None:
-    """Start ``weenv daemon`` in the background (own session, log in $WEENV_HOME) and wait for it."""
-    home = os.path.dirname(os.path.dirname(socket_path))
-    os.makedirs(home, exist_ok=True)
-    log = open(os.path.join(home, "daemon.log"), "ab")
+def _daemon_answers(socket_path: str) -> bool:
     try:
-        subprocess.Popen([sys.executable, "-m", "weenv", "daemon"], stdin=subprocess.DEVNULL, stdout=log,
-                         stderr=log, start_new_session=True, env={**os.environ, "WEENV_HOME": home})
-    finally:
-        log.close()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), timeout=2.0) as c:
+            return c.get("http://weenv/v1/ping").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def start_daemon(socket_path: str, timeout_s: float = 30.0) -> None:
+    """Start ``weenv daemon`` in the background (own session, log in $WEENV_HOME) and wait for it.
+
+    Clients starting at once start one daemon (a lock file in $WEENV_HOME/run serialises them).
+    ``WEENV_AUTOSTART=0`` turns autostart off (the test suite does: it starts its daemons itself).
+    """
+    import fcntl
+
+    if os.environ.get("WEENV_AUTOSTART", "1") == "0":
+        raise DaemonUnavailableError(f"the weenv daemon is not running ({socket_path}) and WEENV_AUTOSTART=0")
+    home = os.path.dirname(os.path.dirname(socket_path))
+    os.makedirs(os.path.join(home, "run"), exist_ok=True)
+    with open(os.path.join(home, "run", "autostart.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _daemon_answers(socket_path):
+            return  # another client started it while we waited for the lock
+        log = open(os.path.join(home, "daemon.log"), "ab")
         try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), timeout=2.0) as c:
-                if c.get("http://weenv/v1/ping").status_code == 200:
-                    return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+            subprocess.Popen([sys.executable, "-m", "weenv", "daemon"], stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=log, start_new_session=True, env={**os.environ, "WEENV_HOME": home})
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if _daemon_answers(socket_path):
+                return
+            time.sleep(0.05)
     raise DaemonUnavailableError(f"the weenv daemon did not start within {timeout_s:g} s (see {home}/daemon.log)")
 
 
