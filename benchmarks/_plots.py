@@ -45,7 +45,7 @@ def quota_over_time(series: dict[str, Any]) -> str | None:
     ax_cpu.set_ylabel("cores")
     ax_cpu.set_ylim(0, 1.15)
     ax_cpu.legend(loc="upper right", fontsize=8)
-    ax_cpu.set_title("One env under bursts: CPU 0.25-1 core, memory 16-448 MiB (200 ms monitor)")
+    ax_cpu.set_title("One env under bursts: CPU 0.25-1 core, memory 8-448 MiB (200 ms monitor)")
     ax_mem.step(t, [(x or 0) / MIB for x in tr["mem_limit"]], where="post", label="memory limit", color="tab:blue")
     ax_mem.plot(t, [(x or 0) / MIB for x in tr["mem_used"]], label="memory used", color="tab:orange", alpha=0.8)
     ax_mem.set_ylabel("MiB")

@@ -1,6 +1,6 @@
 """Density: N concurrent rollout-like envs through the daemon, static vs elastic memory sizing.
 
-    python -m benchmarks.density [--quick] [--node-memory 2GiB] [--cycles 3] [--think-s 20] [--hold-s 2]
+    python -m benchmarks.density [--quick] [--node-memory 2GiB] [--cycles 2] [--think-s 60] [--hold-s 1]
 
 The workload (``benchmarks/_rollout.py``, a static binary run by one ``exec`` per env) repeats
 ``--cycles`` times: think (sleep U[0.5, 1.5] x ``--think-s``: the model generating), a CPU burst
@@ -20,10 +20,13 @@ envs, hence the CPU, within 2 cores; the ratios are what carry over.
 
 (a) static: memory min = max = 448 MiB. Admission grants each env its max, so the node holds
     floor((RAM - reserve) / 448 MiB) envs; one more is refused (503).
-(b) elastic: min 16 MiB, max 448 MiB; the monitor doubles a limit when usage nears it (or at once,
+(b) elastic: min 8 MiB (an idle env uses about 1 MiB), max 448 MiB; the monitor doubles a limit when usage nears it (or at once,
     from the kernel's OOM notification, when a task stalls at it) and halves it after the
-    allocation is freed. Daemon flags for a dense node: ``--hold`` (default 1 s here) and
-    ``--memory-headroom 8MiB`` (a halved limit keeps 8 MiB above usage, not 64).
+    allocation is freed. A burst starts only when the node can cover it up to max (burst
+    reservations), so at most (RAM - reserve - mins) / 448 MiB envs burst at once and the others
+    wait their turn at their min. Daemon flags for a dense node: ``--hold 0.5`` (a freed burst's
+    reservation returns after half a second) and ``--memory-headroom 8MiB`` (a halved limit keeps
+    8 MiB above usage, not 64).
 
 For each sizing: the largest N (elastic: searched around the 10x-overcommit N) with zero OOM kills,
 every run complete, and mean completion time ≤ 10 % above the workload alone. An env's completion
@@ -55,7 +58,7 @@ from ._util import Report, arg_parser, percentile
 MIB = 1 << 20
 GIB = 1 << 30
 MAX_BYTES = 448 * MIB
-ELASTIC_MIN_BYTES = 16 * MIB
+ELASTIC_MIN_BYTES = 8 * MIB
 
 
 def parse_size(text: str) -> int:
@@ -265,6 +268,10 @@ class Run:
     series: dict[str, list] = field(default_factory=dict)
     wall_s: float = 0.0
 
+    def mean_of(self, key: str) -> float:
+        xs = [r[key] / r["cycles"] for r in self.results if key in r]
+        return sum(xs) / len(xs) if xs else float("nan")
+
     @property
     def mean_slowdown(self) -> float:
         return sum(self.slowdowns) / len(self.slowdowns) if self.slowdowns else float("inf")
@@ -358,10 +365,11 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
 
     def one(env_id: str) -> dict[str, Any]:
         time.sleep(max(0.0, t0 + offsets[env_id] - time.monotonic()))
-        timeout_s = work.cycles * (work.cycle_s * 1.5 + 60)
+        timeout_s = work.cycles * work.cycle_s * 4 + 120
         with node.client(timeout_s + 30) as c:
             res = c.get(env_id).exec(work.argv(seeds[env_id]), timeout_s=timeout_s)
-        out = {"env": env_id, "exit_code": res.exit_code, "stderr": res.stderr.decode(errors="replace")[-300:]}
+        out = {"env": env_id, "exit_code": res.exit_code, "stderr": res.stderr.decode(errors="replace")[-300:],
+               "timed_out": res.timed_out}
         if res.exit_code == 0:
             out.update(parse_result(res.stdout.decode()))
         return out
@@ -391,9 +399,10 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
     r.oom_kills += node.node_oom_kills() - oom_node_before
     for o in outs:
         if o["exit_code"] != 0:
-            r.failures.append(f"{o['env']}: exit {o['exit_code']} {o['stderr']}")
-            if o["exit_code"] == 137:
-                r.oom_kills = max(r.oom_kills, 1)
+            why = "timed out" if o["timed_out"] else f"exit {o['exit_code']}"
+            r.failures.append(f"{o['env']}: {why} {o['stderr']}")
+            if o["exit_code"] == 137 and not o["timed_out"]:
+                r.oom_kills = max(r.oom_kills, 1)  # SIGKILL not from us: the OOM killer
             continue
         r.results.append(o)
         if base_active_ms is not None:
@@ -404,7 +413,7 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
 
 
 def trace_quotas(node: Node, seconds_per_sample: float = 0.05) -> dict[str, list]:
-    """One env, CPU 0.25-1 core and memory 16-448 MiB, under bursts: its quotas over time."""
+    """One env, CPU 0.25-1 core and memory 8-448 MiB, under bursts: its quotas over time."""
     work = Workload(cycles=3, think_ms=2500, burst_miters=500, hold_ms=1500)
     with node.client() as c:
         env = c.create(node.lock, cpu="0.25-1", memory=f"{ELASTIC_MIN_BYTES // MIB}MiB-{MAX_BYTES // MIB}MiB",
@@ -446,11 +455,14 @@ def trace_quotas(node: Node, seconds_per_sample: float = 0.05) -> dict[str, list
 
 
 def cpu_reaction_s(trace: dict[str, list]) -> float | None:
-    """From the first sample with the env using more than its min to the quota at its max."""
-    start = next((t for t, u in zip(trace["t"], trace["cpu_used"]) if u is not None and u > 0.2), None)
-    if start is None:
+    """From the start of the first CPU burst (the last sample before the quota first rose in
+    which the env used next to nothing) to the quota at its max."""
+    t, quota, used = trace["t"], trace["cpu_quota"], trace["cpu_used"]
+    first_up = next((i for i, q in enumerate(quota) if q is not None and q > quota[0]), None)
+    if first_up is None:
         return None
-    top = next((t for t, q in zip(trace["t"], trace["cpu_quota"]) if t >= start and q == 1.0), None)
+    start = next((t[i] for i in range(first_up, -1, -1) if used[i] is not None and used[i] < 0.05), t[0])
+    top = next((t[i] for i in range(first_up, len(t)) if quota[i] == 1.0), None)
     return None if top is None else top - start
 
 
@@ -462,17 +474,17 @@ def main() -> None:
     p.add_argument("--node-memory", default=None, help="RAM of the simulated node (default 2GiB, quick 1GiB)")
     p.add_argument("--node-reserve", default="256MiB")
     p.add_argument("--cycles", type=int, default=None)
-    p.add_argument("--think-s", type=float, default=None, help="mean think time per cycle (default 20, quick 3)")
-    p.add_argument("--hold-s", type=float, default=None, help="how long each allocation is held (default 2, quick 0.5)")
-    p.add_argument("--monitor-hold", default="1.0", help="the daemon's --hold (seconds under-used before halving)")
+    p.add_argument("--think-s", type=float, default=None, help="mean think time per cycle (default 60, quick 5)")
+    p.add_argument("--hold-s", type=float, default=None, help="how long each allocation is held (default 1, quick 0.3)")
+    p.add_argument("--monitor-hold", default="0.5", help="the daemon's --hold (seconds under-used before halving)")
     p.add_argument("--slowdown", type=float, default=1.10)
     p.add_argument("--n", default="", help="elastic N values to run (comma-separated) instead of the search")
     args = p.parse_args()
     quick = args.quick
     node_bytes = parse_size(args.node_memory or "2GiB")
     reserve = parse_size(args.node_reserve)
-    work = Workload(cycles=args.cycles or (1 if quick else 3), think_ms=1000 * (args.think_s or (3 if quick else 20)),
-                    hold_ms=1000 * (args.hold_s or (0.5 if quick else 2.0)))
+    work = Workload(cycles=args.cycles or (1 if quick else 2), think_ms=1000 * (args.think_s or (5 if quick else 60)),
+                    hold_ms=1000 * (args.hold_s or (0.3 if quick else 1.0)))
     report = Report("density", "Density: static vs elastic memory sizing", quick)
     flags = ["--cpu-min-overcommit", "1000", "--node-reserve", args.node_reserve, "--memory-headroom", "8MiB",
              "--hold", args.monitor_hold]
@@ -503,6 +515,7 @@ def main() -> None:
         base_active_ms = b["total_ms"] - b["think_ms"]
         base.slowdowns = [1.0]
         log(f"alone: {b['total_ms'] / 1000:.1f} s, active {base_active_ms / 1000:.2f} s ({b})")
+        base_alloc_ms = base.mean_of("alloc_ms")
         # (a) static: as many as admission grants, then one more
         ids, refused, _ = create_envs(node, 1000, static_mem, parallel=False, tag="probe", stop_at_refusal=True)
         n_static = len(ids)
@@ -533,7 +546,9 @@ def main() -> None:
                 log(f"elastic N={n} ({overcommit(n):.1f}x): holds={r.holds(args.slowdown)} slowdown "
                     f"{r.mean_slowdown:.3f} (max {max(r.slowdowns, default=0):.3f}) oom {r.oom_kills} "
                     f"refusals {r.memory_refusals} doublings {r.memory_up} fast steps {r.fast_steps} "
-                    f"peak node usage {r.peak_usage_bytes / MIB:.0f} MiB failures {len(r.failures)}")
+                    f"peak node usage {r.peak_usage_bytes / MIB:.0f} MiB failures {len(r.failures)}; per cycle: "
+                    f"alloc {r.mean_of('alloc_ms'):.0f} ms (alone {base_alloc_ms:.0f}), burst "
+                    f"{r.mean_of('burst_ms'):.0f} ms (alone {base.mean_of('burst_ms'):.0f})")
             return tried[n]
 
         if plan:
@@ -587,14 +602,17 @@ def main() -> None:
             report.add(f"elastic N={r.n} ({overcommit(r.n):.1f}x)", (r.mean_slowdown - 1) * 100 if r.slowdowns else 0,
                        "% slower", ok=r.holds(args.slowdown),
                        note=f"{r.oom_kills} OOM kills, {len(r.failures)} failed, {r.memory_refusals} refusal episodes, "
-                            f"{r.memory_up} doublings, peak node usage {r.peak_usage_bytes / MIB:.0f} MiB"
+                            f"{r.memory_up} doublings, peak node usage {r.peak_usage_bytes / MIB:.0f} MiB; per cycle "
+                            f"the allocation took {r.mean_of('alloc_ms'):.0f} ms (alone {base_alloc_ms:.0f} ms: the "
+                            f"rest is waiting for memory), the CPU burst {r.mean_of('burst_ms'):.0f} ms (alone "
+                            f"{base.mean_of('burst_ms'):.0f} ms)"
                             + (f"; first failure: {r.failures[0][:160]}" if r.failures else ""))
         if trace is not None:
             react = cpu_reaction_s(trace)
             if react is not None:
                 report.add("quota trace: CPU 0.25 → 1 core after a burst starts", react, "s",
                            goal="about a second", ok=react <= 1.5,
-                           note="one env, cpu 0.25-1 core, memory 16-448 MiB, bursts of CPU and memory")
+                           note="one env, cpu 0.25-1 core, memory 8-448 MiB, bursts of CPU and memory")
         report.notes.append(
             f"Node: a memory cgroup capped at {node_bytes / GIB:g} GiB holding the daemon, the envlet and every env; "
             f"daemon flags {' '.join(flags)}. Workload per env: {work.describe()}; 1 core per env in both sizings. "
