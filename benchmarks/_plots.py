@@ -80,7 +80,8 @@ def density(series: dict[str, Any]) -> str | None:
             if r["refused"]:
                 ax.scatter([r["overcommit"]], [0], marker="x", color=color, s=60,
                            label=f"{sizing}: N={r['n']} refused by admission")
-    ax.axhline((limit - 1) * 100, color="tab:red", linestyle="--", linewidth=1, label=f"{(limit - 1) * 100:g} % slowdown")
+    ax.axhline((limit - 1) * 100, color="tab:red", linestyle="--", linewidth=1,
+               label=f"{(limit - 1) * 100:g} % slowdown")
     ax.axvline(10, color="tab:purple", linestyle=":", linewidth=1, label="10x overcommit")
     ax.set_xlabel("memory overcommit: Σ declared max ÷ node RAM")
     ax.set_ylabel("completion time vs the workload alone (%)")
@@ -92,6 +93,9 @@ def density(series: dict[str, Any]) -> str | None:
         node = (series.get("node_bytes") or [0])[0]
         ax2 = axes[1]
         ax2.plot(s["t"], [x / MIB for x in s["limits"]], label="Σ memory limits", color="tab:blue")
+        if s.get("reserved") and len(s["reserved"]) == len(s["limits"]):
+            ax2.plot(s["t"], [(x + (r or 0)) / MIB for x, r in zip(s["limits"], s["reserved"])],
+                     label="Σ limits + burst reservations", color="tab:purple", alpha=0.7)
         ax2.plot(s["t"], [x / MIB for x in s["used"]], label="Σ memory used", color="tab:orange")
         if node:
             ax2.axhline(node / MIB, color="black", linewidth=1, label="node RAM")

@@ -20,9 +20,9 @@ envs, hence the CPU, within 2 cores; the ratios are what carry over.
 
 (a) static: memory min = max = 448 MiB. Admission grants each env its max, so the node holds
     floor((RAM - reserve) / 448 MiB) envs; one more is refused (503).
-(b) elastic: min 8 MiB (an idle env uses about 1 MiB), max 448 MiB; the monitor doubles a limit when usage nears it (or at once,
-    from the kernel's OOM notification, when a task stalls at it) and halves it after the
-    allocation is freed. A burst starts only when the node can cover it up to max (burst
+(b) elastic: min 8 MiB (an idle env uses about 1 MiB), max 448 MiB; the monitor doubles a limit
+    when usage nears it (or at once, from the kernel's OOM notification, when a task stalls at
+    it) and halves it after the allocation is freed. A burst starts only when the node can cover it up to max (burst
     reservations), so at most (RAM - reserve - mins) / 448 MiB envs burst at once and the others
     wait their turn at their min. Daemon flags for a dense node: ``--hold 0.5`` (a freed burst's
     reservation returns after half a second) and ``--memory-headroom 8MiB`` (a halved limit keeps
@@ -331,7 +331,7 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
     offsets = {env_id: (0.0 if n == 1 else rng.uniform(0, work.cycle_s)) for env_id in ids}
     seeds = {env_id: i + 1 for i, env_id in enumerate(ids)}
     done = threading.Event()
-    series: dict[str, list] = {"t": [], "limits": [], "used": [], "available": [], "promised": []}
+    series: dict[str, list] = {"t": [], "limits": [], "used": [], "available": [], "promised": [], "reserved": []}
     traced = ids[:trace_envs]
     for env_id in traced:
         series[f"limit|{env_id}"] = []
@@ -355,6 +355,7 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
                 series["used"].append(used)
                 series["available"].append(nd.get("memory_available_bytes"))
                 series["promised"].append(nd.get("memory_promised_bytes"))
+                series["reserved"].append(nd.get("memory_reserved_bytes"))
                 for env_id in traced:
                     e = envs.get(env_id) or {"memory": {}}
                     series[f"limit|{env_id}"].append(e["memory"].get("limit_bytes"))

@@ -718,13 +718,16 @@ def render_prometheus(snapshot: dict[str, Any], stats: MonitorStatistics) -> byt
             return g
 
         yield gauge("weenv_env_cpu_quota_cores", "CPU quota in force (cores)", lambda e: e["cpu"]["quota_cores"])
-        yield gauge("weenv_env_cpu_used_cores", "CPU used over the last tick (cores)", lambda e: e["cpu"]["used_cores"])
+        yield gauge("weenv_env_cpu_used_cores", "CPU used over the last tick (cores)",
+                    lambda e: e["cpu"]["used_cores"])
         yield gauge("weenv_env_cpu_min_cores", "Plan's CPU min (cores)", lambda e: e["cpu"]["min_cores"])
         yield gauge("weenv_env_cpu_max_cores", "Plan's CPU max (cores)", lambda e: e["cpu"]["max_cores"])
-        yield gauge("weenv_env_memory_limit_bytes", "Elastic memory limit in force", lambda e: e["memory"]["limit_bytes"])
+        yield gauge("weenv_env_memory_limit_bytes", "Elastic memory limit in force",
+                    lambda e: e["memory"]["limit_bytes"])
         yield gauge("weenv_env_memory_used_bytes", "Memory charged to the env", lambda e: e["memory"]["used_bytes"])
         yield gauge("weenv_env_memory_min_bytes", "Plan's memory min", lambda e: e["memory"]["min_bytes"])
-        yield gauge("weenv_env_memory_max_bytes", "Plan's memory max (OOM kill above)", lambda e: e["memory"]["max_bytes"])
+        yield gauge("weenv_env_memory_max_bytes", "Plan's memory max (OOM kill above)",
+                    lambda e: e["memory"]["max_bytes"])
         yield gauge("weenv_env_pids", "Tasks in the env", lambda e: e["pids"]["current"])
         changes = CounterMetricFamily("weenv_env_quota_changes", "Quota changes by resource and direction",
                                       labels=["env", "resource", "direction"])
