@@ -181,10 +181,11 @@ def weenv_daemon() -> Iterator[DaemonHandle]:
 def daemon(weenv_daemon: DaemonHandle) -> Iterator[DaemonHandle]:
     """The session daemon, checked for leaks after each test."""
     yield weenv_daemon
-    with weenv_daemon.client() as c:
-        leftover_envs = [e["id"] for e in c.list()]
-        for env_id in leftover_envs:
+    with weenv_daemon.client() as c:  # the next test starts from a clean daemon
+        for env_id in [e["id"] for e in c.list()]:
             c.get(env_id).kill()
+        for snap in c.snapshots():
+            c.delete_snapshot(snap["id"])
 
 
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:  # type: ignore[no-untyped-def]

@@ -99,7 +99,7 @@ def test_spec_env_cwd_init_override_and_binds():
         (dict(args=[]), "non-empty"),
         (dict(args="sh -c x"), "non-empty list"),
         (dict(cwd="relative"), "absolute"),
-        (dict(network="host"), "network"),
+        (dict(network="bridge"), "network"),
         (dict(env_id="a/b"), "env id"),
         (dict(init_path=None), "no init"),
         (dict(bind_mounts=[BindMount(source="/x", destination="/proc")]), "cover"),
