@@ -117,9 +117,11 @@ def main() -> None:
             "daemon": dict(offload="apply", usage_ns=backend.usage_ns),
             "apply": dict(offload="apply"),
             "all": dict(offload="all"),
+            "every2": dict(offload="apply", usage_ns=backend.usage_ns, settled_read_every=2),
         }
         labels = {
             "daemon": 'as the daemon runs it: offload="apply" + quiet ticks (parent usage probe)',
+            "every2": 'the same, settled envs read every 2nd tick (settled_read_every=2)',
             "apply": 'offload="apply", no probe (every group read every tick)',
             "all": 'offload="all", no probe (sampling in a worker thread too)',
         }
@@ -127,7 +129,7 @@ def main() -> None:
         for m in monitors.values():
             for i, g in enumerate(groups):
                 m.add(f"env{i:04}", g, limits)
-        empty_loop = Monitor(backend.node_memory, interval_ms=200, offload="apply", usage_ns=backend.usage_ns)
+        empty_loop = Monitor(backend.node_memory, interval_ms=200, **variants["daemon"])
         cpu = {"idle": 0.0, "bare": 0.0, "empty": 0.0, **{k: 0.0 for k in monitors}}
         ticks = {k: 0 for k in monitors}
         for _ in range(rounds):  # interleaved, so host noise hits every variant alike
@@ -142,7 +144,7 @@ def main() -> None:
         for g in groups[: 2 * args.active : 2]:  # the empty ones
             wakers.append(subprocess.Popen([sys.executable, "-c", WAKER], preexec_fn=enter_group(g.procs_paths())))
         time.sleep(1)
-        mixed = {"daemon": 0.0, "apply": 0.0}
+        mixed = {"daemon": 0.0, "apply": 0.0, "every2": 0.0}
         for _ in range(rounds):
             for mode in mixed:
                 mixed[mode] += measure(seconds, monitors[mode])[0]

@@ -64,11 +64,11 @@ def test_quiet_ticks_read_only_due_memory_refreshes_and_activity_ends_them():
         # One env starts working: the probe moves, every env is read each tick again, and the
         # busy one reacts on the next tick as it would without the probe.
         before = [c[0] for c in counts]
-        groups[1].cpu_demand_cores = 4.0
+        groups[1].set_demand(cpu_cores=4.0)
         start = trio.current_time()
         while groups[1].quota_cores != 0.5:
             await trio.sleep(0.01)
-        assert trio.current_time() - start <= 0.2 + 1e-6
+        assert trio.current_time() - start <= 0.2 + 0.01 + 1e-6  # one tick (and one poll)
         await trio.sleep(1)
         assert all(c[0] - b >= 5 for c, b in zip(counts, before)), [c[0] - b for c, b in zip(counts, before)]
 
@@ -181,3 +181,62 @@ def test_a_stalled_env_grows_between_ticks(v1_backend, rollout):
     assert result["ticks"] <= 2 and stats.fast_steps >= 3
     monitor.remove("grow")
     g.remove()
+
+
+def test_settled_envs_are_read_every_other_tick_and_still_react_within_two():
+    clock = MockClock(autojump_threshold=0)
+    backend = FakeBackend(clock=clock.current_time)
+    monitor = Monitor(backend.node_memory, interval_ms=200, cpu_cores=4, offload="none",
+                      usage_ns=backend.usage_ns, settled_read_every=2)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(monitor.run)
+            groups = [backend.create(f"e{i}") for i in range(4)]
+            for i, g in enumerate(groups):
+                monitor.add(f"e{i}", g, LIMITS)
+            groups[0].set_demand(cpu_cores=0.1)  # below its quota: it keeps every tick busy (no quiet tick)
+            await trio.sleep(1)
+            counts = [count_samples(g) for g in groups]
+            await trio.sleep(5)  # 25 ticks
+            assert counts[0][0] >= 24
+            assert all(11 <= c[0] <= 14 for c in counts[1:]), [c[0] for c in counts]
+            # A settled env that starts working is seen within two ticks.
+            for g in groups[1:]:
+                g.set_demand(cpu_cores=4.0)
+                start = trio.current_time()
+                while g.quota_cores == 0.25:
+                    await trio.sleep(0.01)
+                assert trio.current_time() - start <= 0.4 + 0.01 + 1e-6  # two ticks (and one poll)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)
+
+
+def test_a_burst_in_a_tick_that_skipped_the_env_is_read_in_the_next_quiet_tick():
+    clock = MockClock(autojump_threshold=0)
+    backend = FakeBackend(clock=clock.current_time)
+    monitor = Monitor(backend.node_memory, interval_ms=200, cpu_cores=4, offload="none",
+                      usage_ns=backend.usage_ns, settled_read_every=4, idle_memory_refresh_s=60)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(monitor.run)
+            g = backend.create("x")
+            monitor.add("x", g, LIMITS)
+            await trio.sleep(2)
+            assert monitor._envs["x"].settled
+            calls = count_samples(g)
+            # Busy for a bit less than one tick, then idle again: the ticks after it are quiet.
+            await trio.sleep(0.05)
+            g.set_demand(cpu_cores=4.0)
+            await trio.sleep(0.1)
+            g.set_demand(cpu_cores=0.0)
+            await trio.sleep(0.5)
+            # Read in at most the two ticks that follow (the moving one may skip it, the quiet one
+            # after it may not), and judged: throttled, so doubled.
+            assert 1 <= calls[0] <= 2
+            assert g.quota_cores == 0.5
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)

@@ -56,6 +56,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     """How stale an idle env's memory usage may get before the monitor re-reads it."""
     monitor_cpu_cores: float | None = None
     """Cores the monitor hands out (burst budget, CPU admission); None: the CPUs it may run on."""
+    monitor_settled_read_every: int = 1
+    """Read an idle, settled env every this many ticks (stalls at a memory limit still wake the
+    monitor at once); 1 reads every env every tick."""
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     """Thresholds, hold time, node reserve, burst budget, admission overcommit (docs/elastic.md)."""
     envlet_check_interval_s: float = 2.0
@@ -109,7 +112,7 @@ class Daemon:
         self.monitor = Monitor(self.backend.node_memory, interval_ms=c.monitor_interval_ms, cfg=c.policy,
                                cpu_cores=c.monitor_cpu_cores, offload=c.monitor_offload,
                                idle_memory_refresh_s=c.monitor_idle_memory_refresh_s,
-                               usage_ns=self.backend.usage_ns)
+                               usage_ns=self.backend.usage_ns, settled_read_every=c.monitor_settled_read_every)
         self.envlet_socket = os.path.join(self.run_dir, "envlet.sock")
         self.envlet = EnvletClient(self.envlet_socket)
         self.manager = EnvManager(envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend,

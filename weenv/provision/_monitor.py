@@ -67,7 +67,7 @@ class MonitorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 class _Env:
     __slots__ = (
         "env_id", "cgroup", "limits", "memory_limits", "state", "last", "metrics", "last_change", "decision",
-        "error", "key", "settled", "watch", "sampled_s", "waiting_since",
+        "error", "key", "settled", "watch", "sampled_s", "sampled_tick", "slot", "waiting_since",
     )  # fmt: skip
 
     def __init__(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, state: EnvQuotaState):
@@ -92,8 +92,11 @@ class _Env:
         self.settled = False
         #: The memory event descriptor run() waits on, if any.
         self.watch: int | None = None
-        #: When a tick last sampled it (quiet ticks skip settled envs; see Monitor.tick).
+        #: When (and in which tick) it was last sampled (settled envs are skipped; see Monitor.tick).
         self.sampled_s = float("-inf")
+        self.sampled_tick = -1
+        #: Spreads the reads of settled envs over ticks (Monitor ``settled_read_every``).
+        self.slot = 0
         #: Since when a memory doubling has been refused (None: not waiting). Waiting envs decide
         #: first, oldest first, so freed memory goes to them in order.
         self.waiting_since: float | None = None
@@ -112,6 +115,9 @@ class Monitor:
     (see :meth:`Cgroup.sample`); 0 reads it every tick.
     ``usage_ns``: the CPU time of all groups together (a backend's ``usage_ns``); when it has not
     moved since the last tick no group ran, and settled envs are not sampled at all (quiet tick).
+    ``settled_read_every``: in the other ticks, read a settled env (idle, at its quotas, no timer
+    running) only every that many ticks, spread over ticks; a task stalling at its memory limit is
+    still answered at once (memory events), a CPU burst up to that many ticks later.
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class Monitor:
         offload: str = "all",
         idle_memory_refresh_s: float = 1.0,
         usage_ns: Callable[[], int | None] | None = None,
+        settled_read_every: int = 1,
     ):
         if interval_ms <= 0:
             raise ValueError(f"interval_ms must be > 0, got {interval_ms}")
@@ -137,6 +144,11 @@ class Monitor:
         self.idle_memory_refresh_s = idle_memory_refresh_s
         self._usage_ns = usage_ns
         self._last_usage_ns: int | None = None
+        if settled_read_every < 1:
+            raise ValueError(f"settled_read_every must be >= 1, got {settled_read_every}")
+        self.settled_read_every = settled_read_every
+        self._moved_tick = 0  # the last tick in which the groups' CPU counter moved
+        self._slots = 0
         self._quiet_ticks = 0
         self._envs: dict[str, _Env] = {}
         self._ticks = 0
@@ -173,6 +185,8 @@ class Monitor:
         if limits.pids_max is not None:
             cgroup.set_pids(limits.pids_max)
         env = _Env(env_id, cgroup, limits, state)
+        env.slot = self._slots
+        self._slots += 1
         # A baseline now lets the very first tick judge rates (one tick sooner to react).
         env.last = cgroup.sample()
         self._envs[env_id] = env
@@ -357,14 +371,24 @@ class Monitor:
                 usage = None
             quiet = usage is not None and usage == self._last_usage_ns
             self._last_usage_ns = usage
+        tick = self._ticks
+        due_s = started - self.idle_memory_refresh_s
         if quiet:
-            due_s = started - self.idle_memory_refresh_s
-            envs = [env for env in envs if not env.settled or env.sampled_s <= due_s]
+            # A settled env last read before the counter last moved may have run since: read it.
+            moved = self._moved_tick
+            envs = [env for env in envs if not env.settled or env.sampled_s <= due_s or env.sampled_tick < moved]
             self._quiet_ticks += 1
             if envs or started - self._node_read_s >= 1.0:
                 await self._step(envs, fast=False, partial=True)
         else:
-            await self._step(envs, fast=False)
+            self._moved_tick = tick
+            every = self.settled_read_every
+            if every > 1:
+                envs = [env for env in envs
+                        if not env.settled or (env.slot + tick) % every == 0 or env.sampled_s <= due_s]
+                await self._step(envs, fast=False, partial=True)
+            else:
+                await self._step(envs, fast=False)
         self._ticks += 1
         self._last_tick_s = trio.current_time() - started
 
@@ -402,6 +426,7 @@ class Monitor:
                 continue  # removed while we sampled
             if not fast:
                 env.sampled_s = started
+                env.sampled_tick = self._ticks
             if sample.__class__ is CgroupSample:
                 env.error = None
                 key = (

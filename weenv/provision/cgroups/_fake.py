@@ -91,6 +91,16 @@ class FakeCgroup(Cgroup):
         self.memory_usage_bytes = want
         return now
 
+    def set_demand(self, *, cpu_cores: float | None = None, memory_bytes: int | None = None) -> None:
+        """Change the workload from now on. Assigning ``cpu_demand_cores`` directly applies the
+        new demand back to the last reading; this charges the time until now at the old one."""
+        with self._lock:
+            self._advance()
+            if cpu_cores is not None:
+                self.cpu_demand_cores = cpu_cores
+            if memory_bytes is not None:
+                self.memory_demand_bytes = memory_bytes
+
     def procs_paths(self) -> list[str]:
         return [f"fake:{self.name}/cgroup.procs"]
 
