@@ -70,8 +70,8 @@ def edaemon() -> Iterator[ElasticDaemon]:
     plan, lock = busybox_plan(home, "el")
     handle = ElasticDaemon(home, os.path.join(home, "run", "weenv.sock"), f"weenv-elastic-{os.getpid()}", lock, plan,
                            os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
-    handle.start()
     try:
+        handle.start()
         _favour_envs_on_a_busy_host(handle.cgroup_root)
         yield handle
     finally:
@@ -82,7 +82,8 @@ def edaemon() -> Iterator[ElasticDaemon]:
                 c.gc()
         except weenv.WeenvError:
             pass
-        handle.stop()
+        if handle.proc is not None:
+            handle.stop()
         try:
             from weenv.envlet import EnvletClient
 
