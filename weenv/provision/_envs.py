@@ -185,6 +185,9 @@ class EnvManager:
             try:
                 await self._start(rec, lock, limits)
             except BaseException as e:
+                if rec.id not in self.monitor:
+                    self.monitor.cancel_admission(limits)  # give back the room admission set aside
+                self.pool_starting.discard(rec.id)
                 with trio.CancelScope(shield=True):
                     log.warning("env %s failed to start (%s): undoing its setup", rec.id, e)
                     await self._teardown(rec)
