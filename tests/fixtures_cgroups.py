@@ -92,6 +92,7 @@ class MimicCgroup2Fs(CgroupFs):
                           "cgroup.type": "domain\n"})  # fmt: skip
         if "cpu" in controllers and not root:
             files["cpu.max"] = "max 100000\n"
+            files["cpu.max.burst"] = "0\n"
             files["cpu.weight"] = "100\n"
             files["cpu.stat"] += "nr_periods 0\nnr_throttled 0\nthrottled_usec 0\nnr_bursts 0\nburst_usec 0\n"
         if "memory" in controllers and not root:
@@ -213,6 +214,14 @@ class MimicCgroup2Fs(CgroupFs):
         elif name == "cpu.max":
             parts = value.split()
             if len(parts) != 2 or not (parts[0] == "max" or (parts[0].isdigit() and int(parts[0]) >= 1000)):
+                raise invalid()
+            # Like the kernel: the banked burst may not exceed the quota.
+            if parts[0] != "max" and int(self.get(d, "cpu.max.burst")) > int(parts[0]):
+                raise invalid()
+            self.put(d, name, value + "\n")
+        elif name == "cpu.max.burst":
+            quota = self.get(d, "cpu.max").split()[0]
+            if not value.isdigit() or (quota != "max" and int(value) > int(quota)):
                 raise invalid()
             self.put(d, name, value + "\n")
         elif name in ("memory.max", "memory.high", "pids.max"):

@@ -108,6 +108,13 @@ class TestConformance:
         assert b.open("cpu").sample().cpu_quota_cores == 0.5
         g.set_cpu(2.0, period_us=50_000)
         assert b.open("cpu").sample().cpu_quota_cores == 2.0
+        # Steep drops and rises: the kernel refuses a burst above the quota (5.14+), so the
+        # backend must order its writes.
+        g.set_cpu(0.01)
+        assert b.open("cpu").sample().cpu_quota_cores == 0.01
+        b.open("cpu").set_cpu(4.0)
+        b.open("cpu").set_cpu(0.25)
+        assert b.open("cpu").sample().cpu_quota_cores == 0.25
         g.set_cpu(None)
         assert b.open("cpu").sample().cpu_quota_cores is None
 
@@ -462,6 +469,21 @@ class TestV2Mimic:
         assert (fs.get(d, "memory.high").strip(), fs.get(d, "memory.max").strip()) == ("max", "max")
         g.set_cpu(0.25)
         assert fs.get(d, "cpu.max").strip() == "25000 100000"
+
+    def test_cpu_burst_follows_quota_both_ways(self, v2_mimic):
+        # The mimic refuses a burst above the quota, as the kernel does: raising and lowering
+        # must write the two files in the right order.
+        backend, fs = v2_mimic
+        g = backend.create("b")
+        d = f"{backend.parent_dir}/b"
+        for cores in (0.25, 2.0, 0.5, 0.01, None, 0.25):
+            g.set_cpu(cores)
+            quota = fs.get(d, "cpu.max").split()[0]
+            if cores is not None:
+                assert fs.get(d, "cpu.max.burst").strip() == quota
+        # A daemon that restarts re-reads the burst, so its first lowering is ordered too.
+        backend.open("b").set_cpu(0.01)
+        assert fs.get(d, "cpu.max.burst").strip() == "1000"
 
     def test_sample_parses_kernel_formats(self, v2_mimic):
         backend, fs = v2_mimic

@@ -46,6 +46,17 @@ def quota_us(quota_cores: float, period_us: int) -> int:
     return max(1000, round(quota_cores * period_us))
 
 
+def burst_us(quota: int) -> int | None:
+    """CFS burst for a quota of ``quota`` µs per period (-1: no quota, burst left alone).
+
+    A group may bank the quota it left unused, up to one period's worth, and spend it in a
+    later period. An environment idling at its minimum then runs a short command (an exec, a
+    test's import phase) at twice its quota before it is throttled, while its long-run average
+    stays at the quota the node was sized for. The kernel caps the burst at the quota.
+    """
+    return None if quota < 0 else quota
+
+
 class CgroupSample(msgspec.Struct, frozen=True, kw_only=True):
     """One reading of a group's counters. Counters are cumulative since the group was created;
     the policy works on differences between two samples."""

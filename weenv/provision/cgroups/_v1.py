@@ -20,7 +20,7 @@ import msgspec
 from .._errors import CgroupBusyError, CgroupError, CgroupExistsError, CgroupNotFoundError
 from .._errors import CgroupUnavailableError
 from ._base import Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up, parse_flat_keyed
-from ._base import parse_pressure, quota_us, read_meminfo, translate_oserror
+from ._base import burst_us, parse_pressure, quota_us, read_meminfo, translate_oserror
 from ._fs import CgroupFs, FileCache
 
 #: Controllers weenv uses on v1, in the order their directories are created (memory first: it is
@@ -47,7 +47,7 @@ class V1Cgroup(Cgroup):
     __slots__ = (
         "name", "_fs", "_files", "_dirs", "_mem", "_cpu", "_acct", "_frz", "_pids", "_unified",
         "_quota_cores", "_period_us", "_limit", "_hard", "_kill_disabled", "_pids_max",
-        "_last", "_memory_read_s", "_event_fds",
+        "_last", "_memory_read_s", "_event_fds", "_burst_us",
     )  # fmt: skip
 
     def __init__(self, name: str, dirs: Mapping[str, str], unified_dir: str | None, fs: CgroupFs):
@@ -65,6 +65,8 @@ class V1Cgroup(Cgroup):
         # which keeps a tick to the counters that move.
         self._quota_cores: float | None = None
         self._period_us = 100_000
+        # cpu.cfs_burst_us as last written; None when the kernel has no burst (before 5.14).
+        self._burst_us: int | None = None
         self._limit: int | None = None
         self._hard: int | None = None
         self._kill_disabled = False
@@ -85,6 +87,8 @@ class V1Cgroup(Cgroup):
             q = self._read_int(f"{self._cpu}/cpu.cfs_quota_us")
             self._period_us = self._read_int(f"{self._cpu}/cpu.cfs_period_us")
             self._quota_cores = None if q < 0 else q / self._period_us
+            path = f"{self._cpu}/cpu.cfs_burst_us"
+            self._burst_us = self._read_int(path) if self._fs.exists(path) else None
         if self._mem is not None:
             self._limit = _limit_or_none(self._read_int(f"{self._mem}/memory.limit_in_bytes"))
             path = f"{self._mem}/memory.oom_control"
@@ -124,11 +128,24 @@ class V1Cgroup(Cgroup):
                 self._fs.write(path, str(period_us))
             self._period_us = period_us
         value = -1 if quota_cores is None else quota_us(quota_cores, period_us)
+        burst = burst_us(value)
+        # The kernel refuses a burst above the quota: lower the burst before the quota, raise
+        # it after.
+        if burst is not None and self._burst_us is not None and burst < self._burst_us:
+            self._write_burst(d, burst)
         path = f"{d}/cpu.cfs_quota_us"
         with translate_oserror(self.name, path):
             self._fs.write(path, str(value))
+        if burst is not None and self._burst_us is not None and burst > self._burst_us:
+            self._write_burst(d, burst)
         self._quota_cores = None if quota_cores is None else value / period_us
         self._last = None
+
+    def _write_burst(self, d: str, burst: int) -> None:
+        path = f"{d}/cpu.cfs_burst_us"
+        with translate_oserror(self.name, path):
+            self._fs.write(path, str(burst))
+        self._burst_us = burst
 
     def set_memory(self, limit_bytes: int | None, *, hard_limit_bytes: int | None = None) -> int | None:
         d = self._need(self._mem, "memory")
@@ -444,6 +461,8 @@ class V1Backend(CgroupBackend):
                 except OSError:
                     pass
             raise
+        if group._cpu is not None and self._fs.exists(f"{group._cpu}/cpu.cfs_burst_us"):
+            group._burst_us = 0  # a new group starts without burst
         return group
 
     def open(self, name: str) -> V1Cgroup:

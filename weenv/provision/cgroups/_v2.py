@@ -19,7 +19,7 @@ import msgspec
 from .._errors import CgroupBusyError, CgroupError, CgroupExistsError, CgroupNotFoundError
 from .._errors import CgroupUnavailableError
 from ._base import Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up, parse_flat_keyed
-from ._base import parse_pressure, quota_us, read_meminfo, translate_oserror
+from ._base import burst_us, parse_pressure, quota_us, read_meminfo, translate_oserror
 from ._fs import CgroupFs, FileCache
 
 #: Controllers weenv enables for its groups when the daemon's cgroup delegates them.
@@ -34,7 +34,7 @@ def _max_or_int(raw: bytes) -> int | None:
 class V2Cgroup(Cgroup):
     __slots__ = (
         "name", "_fs", "_files", "_dir", "_features", "_quota_cores", "_period_us", "_limit",
-        "_hard", "_pids_max", "_last", "_memory_read_s",
+        "_hard", "_pids_max", "_last", "_memory_read_s", "_burst_us",
     )  # fmt: skip
 
     def __init__(self, name: str, directory: str, features: frozenset[str], fs: CgroupFs):
@@ -45,6 +45,8 @@ class V2Cgroup(Cgroup):
         self._features = features
         self._quota_cores: float | None = None
         self._period_us = 100_000
+        # cpu.max.burst as last written; None when the kernel has no burst (before 5.14).
+        self._burst_us: int | None = None
         self._limit: int | None = None
         self._hard: int | None = None
         self._pids_max: int | None = None
@@ -77,6 +79,8 @@ class V2Cgroup(Cgroup):
             quota, period = self._read("cpu.max").split()
             self._period_us = int(period)
             self._quota_cores = None if quota == b"max" else int(quota) / self._period_us
+            has_burst = self._fs.exists(self._path("cpu.max.burst"))
+            self._burst_us = int(self._read("cpu.max.burst")) if has_burst else None
         if "memory" in self._features:
             high = _max_or_int(self._read("memory.high"))
             hard = _max_or_int(self._read("memory.max"))
@@ -93,14 +97,21 @@ class V2Cgroup(Cgroup):
 
     def set_cpu(self, quota_cores: float | None, period_us: int = 100_000) -> None:
         self._need("cpu")
-        if quota_cores is None:
-            self._write("cpu.max", f"max {period_us}")
-            self._quota_cores = None
-        else:
-            q = quota_us(quota_cores, period_us)
-            self._write("cpu.max", f"{q} {period_us}")
-            self._quota_cores = q / period_us
+        q = -1 if quota_cores is None else quota_us(quota_cores, period_us)
+        burst = burst_us(q)
+        # The kernel refuses a burst above the quota: lower the burst before the quota, raise
+        # it after.
+        if burst is not None and self._burst_us is not None and burst < self._burst_us:
+            self._write_burst(burst)
+        self._write("cpu.max", f"{'max' if q < 0 else q} {period_us}")
+        if burst is not None and self._burst_us is not None and burst > self._burst_us:
+            self._write_burst(burst)
+        self._quota_cores = None if q < 0 else q / period_us
         self._period_us = period_us
+
+    def _write_burst(self, burst: int) -> None:
+        self._write("cpu.max.burst", str(burst))
+        self._burst_us = burst
 
     def set_memory(self, limit_bytes: int | None, *, hard_limit_bytes: int | None = None) -> int | None:
         self._need("memory")
@@ -327,6 +338,8 @@ class V2Backend(CgroupBackend):
         except OSError as exc:
             with translate_oserror(name, group._dir):
                 raise exc from None
+        if "cpu" in self.features and self._fs.exists(group._path("cpu.max.burst")):
+            group._burst_us = 0  # a new group starts without burst
         return group
 
     def open(self, name: str) -> V2Cgroup:
