@@ -94,7 +94,13 @@ def _plot_lazy(data: dict[str, Any]) -> str | None:
     return f"benchmarks/{path.name}"
 
 
-PLOTTERS = {"start": _plot_start, "envlet_lazy_start": _plot_lazy}
+def _plot_density(data: dict) -> list[str]:
+    from . import _plots  # quota over time and density vs overcommit
+
+    return _plots.write_all({"density": data})
+
+
+PLOTTERS = {"start": _plot_start, "envlet_lazy_start": _plot_lazy, "density": _plot_density}
 
 
 def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = None) -> Path:
@@ -109,10 +115,6 @@ def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = 
         lines += [f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '')}), "
                   f"{(m.get('memory_bytes') or 0) / 2**30:.0f} GiB RAM, Linux {m.get('kernel')}, "
                   f"Python {m.get('python')}. Generated {_dt.date.today().isoformat()}.", ""]
-    try:
-        from . import _plots  # quota-over-time and density plots (written by the elastic benchmarks)
-    except ImportError:
-        _plots = None  # type: ignore[assignment]
     for name, data in results.items():
         title = data.get("title", name)
         tag = " (quick run: a smoke test, not a measurement)" if data["_quick"] else ""
@@ -134,11 +136,11 @@ def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = 
         if plotter is not None:
             try:
                 p = plotter(data)
-                if p:
-                    plots.append(p)
+                plots += [p] if isinstance(p, str) else list(p or [])
             except Exception as e:  # a plot must not lose the tables
                 lines.append(f"- (plot failed: {e})")
-        plots += [p for p in data.get("plots", []) if p]
+        else:
+            plots += [p for p in data.get("plots", []) if p]
         for p in plots:
             lines += ["", f"![{name}]({p})"]
         lines.append("")
@@ -146,11 +148,6 @@ def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = 
         lines += ["## Benchmarks that failed in the last run", ""]
         lines += [f"- `{n}`: {d.strip().splitlines()[-1] if d.strip() else 'failed'}" for n, d in failures]
         lines.append("")
-    if _plots is not None and hasattr(_plots, "write_all"):
-        try:
-            _plots.write_all(results)
-        except Exception:
-            pass
     path = DOCS / "benchmarks.md"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-PLOTS = Path(__file__).resolve().parent / "plots"
+PLOTS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 MIB = 1 << 20
 
 
@@ -28,7 +28,7 @@ def _save(fig: Any, name: str) -> str:
     PLOTS.mkdir(parents=True, exist_ok=True)
     path = PLOTS / name
     fig.savefig(path, dpi=110)
-    return f"../benchmarks/plots/{name}"  # relative to docs/
+    return f"benchmarks/{name}"  # relative to docs/
 
 
 def quota_over_time(series: dict[str, Any]) -> str | None:

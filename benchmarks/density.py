@@ -32,8 +32,8 @@ For each sizing: the largest N (elastic: searched around the 10x-overcommit N) w
 every run complete, and mean completion time ≤ 10 % above the workload alone. An env's completion
 is compared with its own think time plus the active time of the workload alone (same binary, N=1),
 so envs with longer random think times are not counted as slower. Overcommit = N x max / RAM.
-Plots: benchmarks/plots/quota_over_time.png (one env's quotas under a bursty load) and
-benchmarks/plots/density.png.
+Plots: docs/benchmarks/quota_over_time.png (one env's quotas under a bursty load) and
+docs/benchmarks/density.png.
 """
 
 from __future__ import annotations
