@@ -16,6 +16,7 @@ import time
 import pytest
 
 from weenv.envlet import EnvletUnavailableError, LayerNotFoundError, StoreSpec
+from weenv.envlet._cache import scan_pack
 
 from .fixtures_envlet import build_layer_file, drop_page_cache, mounts_under
 from .layertrees import chardev, d, f, fifo, hard, make_tree, normalize_groups, snapshot, sym
@@ -231,14 +232,15 @@ def test_l2_stays_within_its_bound_and_a_corrupted_l2_file_is_detected(tmp_path,
     s = e.client.stats()
     assert s["l2_evictions"] > 0 and s["l2_size_bytes"] <= bound
     # corrupt one cached chunk on disk, make sure neither the page cache nor L1 hold it, read again
-    l2 = os.path.join(e.cache_dir, "l2", "chunks")
-    victim = next(os.path.join(r, n) for r, _, ns in os.walk(l2) for n in ns)
-    with open(victim, "r+b") as fh:
-        fh.seek(1000)
-        byte = fh.read(1)
-        fh.seek(1000)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-    digest = bytes.fromhex(os.path.basename(os.path.dirname(victim)) + os.path.basename(victim))
+    packs = os.path.join(e.cache_dir, "l2", "packs")
+    victim = os.path.join(packs, sorted(os.listdir(packs))[-1])
+    fd = os.open(victim, os.O_RDWR)
+    try:
+        digest, offset, _, _ = next(scan_pack(fd))
+        byte = os.pread(fd, 1, offset + 1000)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset + 1000)
+    finally:
+        os.close(fd)
     name = next(k for k, v in blobs.items() if hashlib.sha256(v).digest() == digest)
     e.client.prune(bound)  # evicts nothing (we are within the bound) but clears L1
     drop_page_cache()

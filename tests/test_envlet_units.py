@@ -66,7 +66,7 @@ def test_tree_of_a_layer_with_a_root_entry_uses_its_metadata():
 
 def test_disk_cache_bound_eviction_restart_and_corruption(tmp_path):
     m = Metrics()
-    c = DiskCache(str(tmp_path / "l2"), 10_000, m)
+    c = DiskCache(str(tmp_path / "l2"), 10_000, m)  # packs of 625 bytes: one chunk each, exact LRU
     items = [os.urandom(3000) for _ in range(6)]
     keys = [hashlib.sha256(x).digest() for x in items]
     for k, x in zip(keys, items):
@@ -75,20 +75,62 @@ def test_disk_cache_bound_eviction_restart_and_corruption(tmp_path):
     assert c.get(keys[-1], 3000) == items[-1]
     assert c.get(keys[0], 3000) is None  # evicted first
     assert m.counters["l2_evictions"] >= 3
-    # a restart rebuilds the index from disk
+    assert len(os.listdir(tmp_path / "l2" / "packs")) == c.packs  # evicted packs are deleted
+    # a restart rebuilds the index from the packs
     c2 = DiskCache(str(tmp_path / "l2"), 10_000, Metrics())
-    assert c2.size_bytes == c.size_bytes and c2.get(keys[-1], 3000) == items[-1]
-    # a torn file is detected, discarded and reported as a miss
-    path = c2._path(keys[-1])
+    assert c2.size_bytes == c.size_bytes and c2.files == c.files and c2.get(keys[-1], 3000) == items[-1]
+    # a record torn by a crash: the restart cuts the pack before it
+    path, offset, length = c2.locate(keys[-1])
     with open(path, "r+b") as fh:
-        fh.truncate(100)
-    assert c2.get(keys[-1], 3000) is None and not os.path.exists(path) and keys[-1] not in c2
-    # leftovers of interrupted writes are swept at start
-    (tmp_path / "l2" / "tmp" / "junk").write_bytes(b"x")
+        fh.truncate(offset + 100)
+    c3 = DiskCache(str(tmp_path / "l2"), 10_000, Metrics())
+    assert keys[-1] not in c3 and c3.get(keys[-1], 3000) is None
+    assert c3.size_bytes == c2.size_bytes - (offset + length - (offset - 48))
+    # a flipped byte is detected on read: a miss, counted, and the chunk forgotten (fetched again)
+    m4 = Metrics()
+    c4 = DiskCache(str(tmp_path / "l2"), 10_000, m4)
+    victim = next(k for k in keys if k in c4)
+    path, offset, _ = c4.locate(victim)
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 7)
+        b = fh.read(1)
+        fh.seek(offset + 7)
+        fh.write(bytes([b[0] ^ 1]))
+    assert c4.get(victim, 3000) is None and victim not in c4 and m4.counters["l2_corrupt"] == 1
+    c4.put(victim, items[keys.index(victim)])  # re-fetched bytes are stored again
+    assert c4.get(victim, 3000) == items[keys.index(victim)]
+    # foreign files in packs/ and the earlier one-file-per-chunk layout are swept at start
+    (tmp_path / "l2" / "packs" / "junk").write_bytes(b"x")
+    (tmp_path / "l2" / "chunks" / "ab").mkdir(parents=True)
     DiskCache(str(tmp_path / "l2"), 10_000, Metrics())
-    assert os.listdir(tmp_path / "l2" / "tmp") == []
-    files, freed = c2.prune(0)
-    assert c2.size_bytes == 0 and files >= 1 and freed >= 3000
+    assert not (tmp_path / "l2" / "packs" / "junk").exists() and not (tmp_path / "l2" / "chunks").exists()
+    chunks, freed = c4.prune(0)
+    assert c4.size_bytes == 0 and c4.files == 0 and chunks >= 1 and freed >= 3000
+
+
+def test_disk_cache_packs_chunks_together_and_evicts_the_least_recently_used_pack(tmp_path):
+    m = Metrics()
+    c = DiskCache(str(tmp_path / "l2"), 160_000, m)  # packs of 10 000 bytes: 4 chunks of 2 000 each
+    items = [os.urandom(2000) for _ in range(84)]  # 170 kB: a tenth more than the bound
+    keys = [hashlib.sha256(x).digest() for x in items]
+    for k, x in zip(keys[:24], items[:24]):
+        c.put(k, x)
+    assert c.packs == 6 and c.files == 24
+    paths = [c.locate(k)[0] for k in keys[:24]]
+    assert paths[0] == paths[3] != paths[4]  # neighbours share a pack, in order
+    assert c.locate(keys[1])[1] == c.locate(keys[0])[1] + 2000 + 48
+    for i in range(24):  # random access gives each chunk its own bytes
+        j = (i * 7) % 24
+        assert c.get(keys[j], 2000) == items[j]
+    assert c.get(keys[0], 2000) == items[0]  # the first pack is now the most recently used
+    for k, x in zip(keys[24:], items[24:]):
+        c.put(k, x)
+        assert c.size_bytes <= 160_000
+    assert keys[0] in c and keys[3] in c  # kept: recently read
+    assert keys[4] not in c and keys[7] not in c  # the least recently used pack went first, whole
+    assert m.counters["l2_evictions"] >= 4
+    assert c.get(keys[3], 2000) == items[3] and c.get(keys[-1], 2000) == items[-1]
+    assert c.get(keys[2], 1999) is None  # a length that does not match is never served
 
 
 def test_disk_cache_concurrent_writers_of_the_same_chunk(tmp_path):
@@ -100,7 +142,7 @@ def test_disk_cache_concurrent_writers_of_the_same_chunk(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert c.get(key, len(data)) == data and c.size_bytes == len(data) and c.files == 1
+    assert c.get(key, len(data)) == data and c.size_bytes == len(data) + 48 and c.files == 1  # stored once
 
 
 def test_memory_cache_is_an_lru_bounded_in_bytes():

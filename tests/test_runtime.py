@@ -343,6 +343,10 @@ def test_kill_exec_tree_spares_unrelated_processes():
     bystander = subprocess.Popen(["sleep", "60"])
     target = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60"], start_new_session=True)
     try:
+        children = f"/proc/{target.pid}/task/{target.pid}/children"
+        deadline = time.monotonic() + 5
+        while len(open(children).read().split()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)  # the shell has forked both sleeps: the tree is complete
         killed = kill_exec_tree(target.pid, spare_leader=False)
         assert killed >= 3
         assert target.wait(timeout=5) == -signal.SIGKILL
