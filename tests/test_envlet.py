@@ -196,6 +196,24 @@ def test_64_concurrent_readers_of_one_cold_chunk_cause_one_remote_fetch(tmp_path
     assert e.client.stats()["remote_fetches"] - before == 1  # same digest: already cached
 
 
+def test_a_cold_read_brings_the_small_files_that_follow_it_but_never_a_big_one(tmp_path, envlet_factory):
+    small = {f"d/m{i}.pyc": os.urandom(3000) for i in range(6)}
+    big = os.urandom(2 << 20)  # incompressible: 2 compressed MiB
+    src = make_tree(tmp_path / "src", *[f(k, v) for k, v in small.items()], f("d/m3.so", big))
+    layer = build_layer_file(src, str(tmp_path / "l"))
+    e = envlet_factory(neighbor_bytes=64 << 10)
+    info = layer.register(e)
+    assert open(os.path.join(info.path, "d/m0.pyc"), "rb").read() == small["d/m0.pyc"]
+    s = e.client.stats()
+    assert s["remote_fetches"] == 1 and s["remote_chunks"] == 4  # m0 plus m1, m2, m3.pyc (blob order)
+    assert s["remote_bytes"] < 64 << 10  # the 2 MiB m3.so, next in line, did not ride along
+    for k in ("d/m1.pyc", "d/m2.pyc", "d/m3.pyc"):
+        assert open(os.path.join(info.path, k), "rb").read() == small[k]
+    assert e.client.stats()["remote_fetches"] == 1  # served from L1
+    assert open(os.path.join(info.path, "d/m3.so"), "rb").read() == big
+    assert e.client.stats()["remote_fetches"] >= 2
+
+
 def test_a_layer_registered_twice_and_a_chunk_shared_by_two_layers_are_fetched_once(tmp_path, envlet):
     shared = os.urandom(300_000)
     a = build_layer_file(make_tree(tmp_path / "a", f("x/shared.bin", shared), f("a-only", b"a")), str(tmp_path / "a.l"))

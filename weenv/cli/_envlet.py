@@ -27,8 +27,8 @@ def envlet() -> None:
               help="Seconds before a read whose data cannot be fetched fails with EIO.")
 @click.option("--readahead", "readahead_bytes", type=SIZE, default="4MiB", show_default=True,
               help="Read-ahead within a file on a cold read.")
-@click.option("--neighbors", "neighbor_bytes", type=SIZE, default="0", show_default=True,
-              help="Compressed bytes of following files fetched along with a cold read (0 disables).")
+@click.option("--neighbors", "neighbor_bytes", type=SIZE, default="64KiB", show_default=True,
+              help="Compressed bytes of the small files that follow a cold read in the blob, fetched along (0 disables).")
 @click.option("--metrics-port", type=int, default=None, help="Serve prometheus metrics on this port.")
 @click.option("--debug", is_flag=True, help="Verbose logs, FUSE debug output.")
 def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_size: int, control_socket: str,

@@ -239,7 +239,7 @@ class EnvletFS(pyfuse3.Operations):
                 budget = self.envlet.neighbor_bytes
                 k = r.stop
                 n_chunks = len(cols.chunk_offsets)
-                while k < n_chunks and budget > 0:
+                while k < n_chunks and cols.chunk_lengths[k] <= budget:  # small files only
                     neighbors.append(cols.chunk(k, 0))
                     budget -= cols.chunk_lengths[k]
                     k += 1

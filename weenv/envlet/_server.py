@@ -123,7 +123,7 @@ class Envlet:
 
     def __init__(self, mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
                  control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
-                 readahead_bytes: int = 4 << 20, neighbor_bytes: int = 0, max_concurrent_fetches: int = 8):
+                 readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10, max_concurrent_fetches: int = 8):
         self.mountpoint = os.path.abspath(mountpoint)
         self.cache_dir = os.path.abspath(cache_dir)
         self.control_socket = control_socket
@@ -476,7 +476,7 @@ def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
 
 def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
           control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
-          metrics_port: int | None = None, readahead_bytes: int = 4 << 20, neighbor_bytes: int = 0,
+          metrics_port: int | None = None, readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10,
           debug: bool = False) -> None:
     """Mount and serve until SIGTERM/SIGINT; always unmounts."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
