@@ -119,7 +119,8 @@ def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = 
         title = data.get("title", name)
         tag = " (quick run: a smoke test, not a measurement)" if data["_quick"] else ""
         lines += [f"## {title}{tag}", "",
-                  f"`python -m benchmarks.{name}` — {data.get('date', '')}, commit {data.get('commit', '')}", "",
+                  f"`{data.get('command') or f'python -m benchmarks.{name}'}` — {data.get('date', '')}, "
+                  f"commit {data.get('commit', '')}", "",
                   "| metric | value | p99 | baseline | ratio | goal | met |",
                   "|---|---|---|---|---|---|---|"]
         for r in data.get("rows", []):

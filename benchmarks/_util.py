@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -109,7 +110,7 @@ class Report:
         RESULTS.mkdir(exist_ok=True)
         path = RESULTS / f"{self.name}{'.quick' if self.quick else ''}.json"
         data = {**asdict(self), "machine": machine(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "commit": _commit()}
+                "commit": _commit(), "command": _command()}
         path.write_text(json.dumps(data, indent=1) + "\n")
         return path
 
@@ -122,6 +123,11 @@ def _fmt(v: float | None) -> str:
     if abs(v) >= 1:
         return f"{v:.2f}"
     return f"{v:.4g}"
+
+
+def _command() -> str:
+    """How this result was produced: ``python -m benchmarks.NAME ARGS``."""
+    return " ".join(["python -m", f"benchmarks.{Path(sys.argv[0]).stem}", *sys.argv[1:]])
 
 
 def _commit() -> str:

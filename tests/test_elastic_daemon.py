@@ -192,6 +192,29 @@ def test_cpu_hungry_env_reaches_max_within_a_second_then_idles_back_to_min(edaem
         assert ps["metrics"]["cpu_up"] == 2 and ps["metrics"]["throttled_ns"] >= m["throttled_ns"]
 
 
+def test_envs_from_a_snapshot_start_at_the_cpu_quota_of_their_source(edaemon, client):
+    with client.create(edaemon.plan_lock, cpu="0.25-1", memory="32MiB-256MiB") as env:
+        env.exec("(while :; do :; done) >/dev/null 2>&1 & (while :; do :; done) >/dev/null 2>&1 & echo started")
+        assert watch(client, env.id, ("cpu", "quota_cores"), lambda q: q == 1.0, timeout_s=10)[-1] == 1.0
+        snap = env.commit()
+        assert client.snapshot(snap)["cpu_quota_cores"] == 1.0
+        try:
+            with client.create(snap) as child:  # a fork of a busy env starts busy, not at its min
+                assert resources(client, child.id)["cpu"]["quota_cores"] == 1.0
+                assert resources(client, child.id)["cpu"]["min_cores"] == 0.25
+                seen = watch(client, child.id, ("cpu", "quota_cores"), lambda q: q == 0.25, timeout_s=15)
+                assert seen == [1.0, 0.5, 0.25]  # idle, it comes down like any env
+        finally:
+            client.delete_snapshot(snap)
+    with client.create(edaemon.plan_lock, cpu="0.25-1") as idle:  # an idle source gives its min
+        snap = idle.commit()
+        try:
+            with client.create(snap) as child:
+                assert resources(client, child.id)["cpu"]["quota_cores"] == 0.25
+        finally:
+            client.delete_snapshot(snap)
+
+
 def test_memory_grows_by_doubling_while_a_process_allocates_and_nothing_is_killed(edaemon, client, rollout):
     with client.create(edaemon.plan_lock, cpu="1", memory="32MiB-512MiB") as env:
         env.write_file("/usr/bin/rollout", rollout, mode=0o755)

@@ -216,6 +216,16 @@ def test_static_limits_never_move():
     assert (d.cpu_change, d.memory_change, d.cpu_refused, d.memory_refused) == (None, None, False, False)
 
 
+def test_an_env_starts_at_its_min_or_at_a_start_hint_clamped_to_its_range():
+    limits = EnvLimits(cpu_min_cores=0.25, cpu_max_cores=2.0, memory_min_bytes=64 * MIB, memory_max_bytes=GIB)
+    assert (initial_state(limits).cpu_quota_cores, initial_state(limits).memory_limit_bytes) == (0.25, 64 * MIB)
+    assert initial_state(limits, start_cpu_cores=1.0).cpu_quota_cores == 1.0  # a busy source's quota
+    assert initial_state(limits, start_cpu_cores=8.0).cpu_quota_cores == 2.0
+    assert initial_state(limits, start_cpu_cores=0.05).cpu_quota_cores == 0.25
+    assert initial_state(limits, start_cpu_cores=1.0).memory_limit_bytes == 64 * MIB  # memory: always the min
+    assert initial_state(EnvLimits(), start_cpu_cores=1.0).cpu_quota_cores is None  # unlimited stays unlimited
+
+
 def test_unlimited_resources_are_left_alone():
     s = initial_state(EnvLimits())
     assert (s.cpu_quota_cores, s.memory_limit_bytes) == (None, None)

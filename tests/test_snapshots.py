@@ -157,6 +157,54 @@ def test_fork_8_children_share_the_parent_state_and_nothing_else(daemon):
     assert leftovers(daemon) == []
 
 
+def overlay_lowers(daemon, env_id: str) -> list[str]:
+    rootfs = os.path.join(daemon.home, "envs", env_id, "rootfs")
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if fields[1] == rootfs and fields[2] == "overlay":
+                opts = dict(o.split("=", 1) for o in fields[3].split(",") if "=" in o)
+                return opts["lowerdir"].split(":")
+    raise AssertionError(f"no overlay at {rootfs}")
+
+
+def test_envs_from_a_local_snapshot_stack_its_tree_directly_and_trees_live_as_long_as_their_users(daemon):
+    from weenv.envlet import EnvletClient
+
+    envlet = EnvletClient(os.path.join(daemon.home, "run", "envlet.sock"))
+    trees = os.path.join(daemon.home, "snapshot-trees")
+    with daemon.client() as c:
+        parent = c.create(daemon.plan_lock)
+        parent.exec(["sh", "-c", "mkdir -p /task && echo one > /task/a && rm /bin/vi && rm -rf /home && mkdir /home"])
+        child = parent.fork(1)[0]
+        snap = child.info["snapshot"]
+        digest = c.snapshot(snap)["layers"][-1]["digest"]
+        tree = os.path.join(trees, digest.replace(":", "-"))
+        lowers = overlay_lowers(daemon, child.id)
+        assert lowers[0] == tree and all(p.startswith(os.path.join(daemon.home, "envlet")) for p in lowers[1:])
+        assert digest[7:19] not in {x.name for x in envlet.list()}  # not served through FUSE
+        assert child.exec(["cat", "/task/a"]).stdout == b"one\n"
+        assert child.exec(["ls", "/bin/vi"]).exit_code != 0  # the whiteout holds
+        assert child.exec(["ls", "/home"]).stdout == b""  # the opaque dir holds
+        # deleting the snapshot while an env uses its tree keeps the tree; gc drops it once unused
+        c.delete_snapshot(snap)
+        assert os.path.isdir(tree) and child.exec(["cat", "/task/a"]).stdout == b"one\n"
+        child.kill()
+        assert c.gc()["trees"] == [os.path.basename(tree)] and not os.path.exists(tree)
+        # a snapshot whose tree is gone (another node's, or removed) is read through the envlet
+        snap2 = parent.commit()
+        digest2 = c.snapshot(snap2)["layers"][-1]["digest"]
+        shutil.rmtree(os.path.join(trees, digest2.replace(":", "-")))
+        with c.create(snap2) as other:
+            assert overlay_lowers(daemon, other.id)[0].startswith(os.path.join(daemon.home, "envlet"))
+            assert other.exec(["cat", "/task/a"]).stdout == b"one\n"
+            assert other.exec(["ls", "/bin/vi"]).exit_code != 0
+        parent.kill()
+        c.delete_snapshot(snap2)
+        assert os.listdir(trees) == []
+    assert leftovers(daemon) == []
+
+
 def test_commit_publish_and_cli(daemon):
     env_vars = daemon.env_vars()
 

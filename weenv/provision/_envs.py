@@ -80,6 +80,17 @@ def _pool_key(lock: Lock) -> str:
     return json.dumps(data, sort_keys=True)
 
 
+def _install_tree(tmp: str, final: str) -> bool:
+    """Move a copied upper into place as the tree of its layer (one already there wins)."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isdir(final):
+            return False
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
 class _Stopwatch:
     """Records milliseconds since the previous mark under each name (create's timing breakdown)."""
 
@@ -116,12 +127,21 @@ class EnvManager:
         self._refilling: set[str] = set()
         self.pool_starting: set[str] = set()  # envs being started for a pool (not listed)
         self._store: LayoutStore | None = None
+        # Snapshot layers made on this node, also kept as plain directories (a copy of the sealed
+        # upper): envs from the snapshot stack them as overlay lowers directly, not through FUSE.
+        self.trees_dir = os.path.join(os.path.dirname(envs_dir), "snapshot-trees")
+        self._trees_in_progress: set[str] = set()
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
+        os.makedirs(self.trees_dir, mode=0o700, exist_ok=True)
 
     # ------------------------------------------------------------------ helpers
 
     def _lock(self, env_id: str) -> trio.Lock:
         return self._locks.setdefault(env_id, trio.Lock())
+
+    def tree_path(self, digest: str) -> str:
+        """Where a snapshot layer made on this node is kept as a directory (it may not exist)."""
+        return os.path.join(self.trees_dir, digest.replace(":", "-"))
 
     def get(self, env_id: str) -> EnvRecord:
         rec = self.envs.get(env_id)
@@ -141,7 +161,7 @@ class EnvManager:
     # ------------------------------------------------------------------ create
 
     async def create(self, plan: Plan, *, snapshot: str | None = None, parent: str | None = None,
-                     snapshot_layers: Sequence[SnapshotLayer] = ()) -> EnvRecord:
+                     snapshot_layers: Sequence[SnapshotLayer] = (), start_cpu_cores: float | None = None) -> EnvRecord:
         """Start an env for ``plan`` (a lock is used as is; a plan is locked first).
 
         ``snapshot_layers`` (in the embedded store) go on top of the plan's groups: the sealed
@@ -161,10 +181,12 @@ class EnvManager:
                 self._save(taken)
                 log.info("env %s handed out from the warm pool", taken.id)
                 return taken
-        return await self._create(lock, t0, snapshot=snapshot, parent=parent, snapshot_layers=snapshot_layers)
+        return await self._create(lock, t0, snapshot=snapshot, parent=parent, snapshot_layers=snapshot_layers,
+                                  start_cpu_cores=start_cpu_cores)
 
     async def _create(self, lock: Lock, t0: float, *, snapshot: str | None = None, parent: str | None = None,
-                      snapshot_layers: Sequence[SnapshotLayer] = (), pooled: bool = False) -> EnvRecord:
+                      snapshot_layers: Sequence[SnapshotLayer] = (), pooled: bool = False,
+                      start_cpu_cores: float | None = None) -> EnvRecord:
         limits = env_limits(lock)
         admission = self.monitor.admit(limits)
         while not admission and not pooled and await self._evict_one_pooled():
@@ -183,7 +205,7 @@ class EnvManager:
         async with self._lock(rec.id):
             self._save(rec)
             try:
-                await self._start(rec, lock, limits)
+                await self._start(rec, lock, limits, start_cpu_cores)
             except BaseException as e:
                 if rec.id not in self.monitor:
                     self.monitor.cancel_admission(limits)  # give back the room admission set aside
@@ -265,12 +287,17 @@ class EnvManager:
                         if env_id in self.envs and self.envs[env_id].status == "pooled":
                             await self.kill(env_id)
 
-    async def _start(self, rec: EnvRecord, lock: Lock, limits: EnvLimits) -> None:
+    async def _start(self, rec: EnvRecord, lock: Lock, limits: EnvLimits,
+                     start_cpu_cores: float | None = None) -> None:
         local = StoreSpec("layout", path=_home.store_dir())
         layers: list[tuple[StoreSpec, str, int, str, str]] = [
             (store_spec(g), g.layer_digest, g.layer_size, g.toc_digest, g.repo) for g in lock.groups
         ] + [(local, x["digest"], x["size"], x["toc_digest"], "") for x in rec.snapshot_layers]
         paths: list[str | None] = [None] * len(layers)
+        for i in range(len(lock.groups), len(layers)):  # snapshot layers kept here as directories
+            tree = self.tree_path(layers[i][1])
+            if os.path.isdir(tree):
+                paths[i] = tree
 
         errors: list[Exception] = []
 
@@ -288,7 +315,8 @@ class EnvManager:
         mark = _Stopwatch(rec.timings_ms)
         async with trio.open_nursery() as n:
             for i in range(len(layers)):
-                n.start_soon(register, i)
+                if paths[i] is None:
+                    n.start_soon(register, i)
         if errors:
             raise errors[0]
         self._save(rec)  # a daemon dying from here on must find the layer references to release
@@ -343,7 +371,7 @@ class EnvManager:
         mark("crun_start")
         # Quotas apply from here: crun runs inside the env's cgroups (so that the init is born
         # there), and under a 0.25-core quota its own setup would take four times as long.
-        self.monitor.add(rec.id, cg, limits)
+        self.monitor.add(rec.id, cg, limits, start_cpu_cores=start_cpu_cores)
         rec.status = "running"
         self._save(rec)
         mark("save")
@@ -553,18 +581,41 @@ class EnvManager:
                         pass
                     raise
 
-            if froze:
-                await trio.to_thread.run_sync(cg.freeze)
+            tree_tmp = os.path.join(self.trees_dir, f".commit-{env_id}-{secrets.token_hex(4)}")
+            copied = False
+
+            async def copy_tree() -> None:  # the same upper as a directory (cp keeps whiteouts, xattrs)
+                nonlocal copied
+                p = await trio.run_process(["cp", "-a", "--", upper, tree_tmp], capture_stderr=True, check=False)
+                copied = p.returncode == 0
+                if not copied:
+                    log.warning("env %s: commit: copying the upper failed (envs from the snapshot will read it "
+                                "through the envlet): %s", env_id, p.stderr.decode(errors="replace").strip()[-300:])
+
+            self._trees_in_progress.add(tree_tmp)
             try:
-                res = await trio.to_thread.run_sync(seal)
-            finally:
                 if froze:
-                    with trio.CancelScope(shield=True):
-                        await trio.to_thread.run_sync(cg.thaw)
+                    await trio.to_thread.run_sync(cg.freeze)
+                try:
+                    async with trio.open_nursery() as n:
+                        n.start_soon(copy_tree)
+                        res = await trio.to_thread.run_sync(seal)
+                finally:
+                    if froze:
+                        with trio.CancelScope(shield=True):
+                            await trio.to_thread.run_sync(cg.thaw)
+                tree = self.tree_path(res.digest)
+                if copied:
+                    copied = await trio.to_thread.run_sync(_install_tree, tree_tmp, tree)
+            finally:
+                self._trees_in_progress.discard(tree_tmp)
+                if os.path.lexists(tree_tmp):
+                    await trio.to_thread.run_sync(lambda: shutil.rmtree(tree_tmp, ignore_errors=True))
         layer = SnapshotLayer(digest=res.digest, size=res.size, toc_digest=res.toc_digest)
         parents = [msgspec.convert(x, SnapshotLayer) for x in rec.snapshot_layers]
         snap = SnapshotRecord(id=new_snapshot_id(), source_env=env_id, lock=rec.lock, layers=[*parents, layer],
-                              build_key=build_key, diff_bytes=res.content_bytes)
+                              build_key=build_key, diff_bytes=res.content_bytes,
+                              cpu_quota_cores=self.monitor.cpu_quota(env_id))
         self.snapshots.save(snap)
 
         def warm() -> None:  # the new layer's chunks go to the node's disk cache at once
@@ -578,7 +629,9 @@ class EnvManager:
             except EnvletError as e:
                 log.warning("snapshot %s: could not warm the envlet cache: %s", snap.id, e)
 
-        if self.nursery is not None:  # the caller has its snapshot now; the cache fills meanwhile
+        if copied:
+            pass  # envs from it use the directory: nothing to cache
+        elif self.nursery is not None:  # the caller has its snapshot now; the cache fills meanwhile
             self.nursery.start_soon(warm_in_background)
         else:
             await warm_in_background()
@@ -600,7 +653,8 @@ class EnvManager:
         clean = {k: v for k, v in overrides.items() if v is not None}
         if clean:
             lock = apply_overrides(lock, **clean)
-        return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers)
+        return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
+                                 start_cpu_cores=snap.cpu_quota_cores)
 
     async def fork(self, env_id: str, n: int) -> tuple[SnapshotRecord, list[EnvRecord]]:
         """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones)."""
@@ -647,6 +701,8 @@ class EnvManager:
             return []
         removed = []
         for layer in rec.layers:
+            if layer.digest not in used:
+                shutil.rmtree(self.tree_path(layer.digest), ignore_errors=True)
             if layer.digest not in used and layer.digest not in tagged:
                 try:
                     os.unlink(store.blob_path(layer.digest))
@@ -730,7 +786,20 @@ class EnvManager:
                     lambda: shutil.rmtree(os.path.join(self.envs_dir, env_id), ignore_errors=True))
                 out["dirs"].append(env_id)
         out["layers"] = await self._gc_layers()
+        out["trees"] = await trio.to_thread.run_sync(self._gc_trees)
         return out
+
+    def _gc_trees(self) -> list[str]:
+        """Remove snapshot trees no snapshot and no env uses (a snapshot deleted while its envs ran)."""
+        used = {self.tree_path(layer.digest) for snap in self.snapshots.list() for layer in snap.layers}
+        used |= {self.tree_path(x["digest"]) for env in self.envs.values() for x in env.snapshot_layers}
+        removed = []
+        for name in os.listdir(self.trees_dir):
+            path = os.path.join(self.trees_dir, name)
+            if path not in used and path not in self._trees_in_progress:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(name)
+        return removed
 
     async def _gc_layers(self) -> list[str]:
         """Drop envlet references that no live env holds (left by a daemon that died mid-teardown)."""

@@ -168,14 +168,16 @@ class Monitor:
 
     # -- registration (called by the daemon) ----------------------------------------------------
 
-    def add(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, *, adopt: bool = False) -> None:
-        """Start managing ``cgroup``. A new env gets its mins now (before its processes start);
-        ``adopt=True`` keeps the quotas a running env already has (after a daemon restart),
-        clamped to ``limits``. Raises :class:`CgroupError` if the limits cannot be written."""
+    def add(self, env_id: str, cgroup: Cgroup, limits: EnvLimits, *, adopt: bool = False,
+            start_cpu_cores: float | None = None) -> None:
+        """Start managing ``cgroup``. A new env gets its mins now (the CPU quota: ``start_cpu_cores``
+        when given, clamped to its range); ``adopt=True`` keeps the quotas a running env already has
+        (after a daemon restart), clamped to ``limits``. Raises :class:`CgroupError` if the limits
+        cannot be written."""
         if env_id in self._envs:
             raise ValueError(f"env {env_id!r} is already monitored")
         first = cgroup.sample() if adopt else None
-        state = adopt_state(limits, first) if first is not None else initial_state(limits)
+        state = adopt_state(limits, first) if first is not None else initial_state(limits, start_cpu_cores)
         cpu, mem = limits.cpu_range, limits.memory_range
         if cpu is not None:
             cgroup.set_cpu(state.cpu_quota_cores)
@@ -206,6 +208,11 @@ class Monitor:
         self._unwatch(env)
         _accumulate(self._retired, env.metrics)
         return env.metrics
+
+    def cpu_quota(self, env_id: str) -> float | None:
+        """The CPU quota (cores) the monitor gives ``env_id`` now; None if unmanaged or unlimited."""
+        env = self._envs.get(env_id)
+        return None if env is None else env.state.cpu_quota_cores
 
     def __contains__(self, env_id: str) -> bool:
         return env_id in self._envs

@@ -182,10 +182,14 @@ class Admission(msgspec.Struct, frozen=True):
         return self.admitted
 
 
-def initial_state(limits: EnvLimits) -> EnvQuotaState:
-    """Every env starts at its min."""
+def initial_state(limits: EnvLimits, start_cpu_cores: float | None = None) -> EnvQuotaState:
+    """Every env starts at its min, but for the CPU quota a start hint (the quota of the env a
+    snapshot was taken from), clamped to the env's range: a fork of a busy env starts busy, and
+    the monitor halves it if it idles."""
     cpu = limits.cpu_range
     mem = limits.memory_range
+    if cpu is not None and start_cpu_cores is not None:
+        cpu = (min(max(start_cpu_cores, cpu[0]), cpu[1]), cpu[1])
     return EnvQuotaState(
         cpu_quota_cores=None if cpu is None else cpu[0],
         memory_limit_bytes=None if mem is None else mem[0],

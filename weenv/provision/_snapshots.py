@@ -37,11 +37,13 @@ class SnapshotRecord(msgspec.Struct, kw_only=True):
     ref: str | None = None  # where it was published, if it was
     build_key: str | None = None  # set for snapshots made by `weenv build` steps
     diff_bytes: int = 0  # uncompressed content of the newest layer
+    cpu_quota_cores: float | None = None  # the source env's CPU quota when committed: envs start there
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "source_env": self.source_env, "created_s": self.created_s,
                 "layers": [msgspec.to_builtins(layer) for layer in self.layers], "ref": self.ref,
-                "plan": self.lock.get("name"), "build_key": self.build_key, "diff_bytes": self.diff_bytes}
+                "plan": self.lock.get("name"), "build_key": self.build_key, "diff_bytes": self.diff_bytes,
+                "cpu_quota_cores": self.cpu_quota_cores}
 
 
 def new_snapshot_id() -> str:
