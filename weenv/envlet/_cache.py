@@ -105,6 +105,8 @@ class DiskCache:
     def __init__(self, root: str, capacity_bytes: int, metrics: Metrics):
         self.root = os.path.abspath(root)
         self.capacity_bytes = capacity_bytes
+        # 16 packs or more: eviction is LRU to 1/16 of the bound; at most 256 MiB a pack (a 1 TiB
+        # cache holds 4096 packs, one open descriptor each: serve() raises the open files limit).
         self.segment_bytes = max(1, min(_MAX_SEGMENT, capacity_bytes // 16))
         self._packs = os.path.join(self.root, "packs")
         self._metrics = metrics

@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -462,6 +463,15 @@ def clear_stale_mount(mountpoint: str) -> bool:
     return True
 
 
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20), hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open files limit from %d: %s", soft, e)
+
+
 def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
     """Raise the FUSE mount's bdi read_ahead_kb (the default 128 KiB triples cold read time)."""
     m = _mount_of(mountpoint)
@@ -481,6 +491,7 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     """Mount and serve until SIGTERM/SIGINT; always unmounts."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
+    _raise_nofile()  # the disk cache keeps one descriptor per pack (16 or more)
     os.makedirs(mountpoint, exist_ok=True)
     os.makedirs(cache_dir, exist_ok=True)
     clear_stale_mount(mountpoint)
