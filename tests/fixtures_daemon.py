@@ -188,6 +188,32 @@ def daemon(weenv_daemon: DaemonHandle) -> Iterator[DaemonHandle]:
             c.delete_snapshot(snap["id"])
 
 
+def teardown_private_daemon(d: DaemonHandle) -> list[str]:
+    """Stop a test's own daemon and its envlet, remove its cgroups and home; what it left behind."""
+    try:
+        with d.client() as c:
+            for e in c.list():
+                c.get(e["id"]).kill()
+            c.gc()
+    except Exception:
+        pass
+    d.stop()
+    try:
+        from weenv.envlet import EnvletClient
+
+        os.kill(EnvletClient(os.path.join(d.home, "run", "envlet.sock")).ping()["pid"], signal.SIGTERM)
+        time.sleep(1)
+    except Exception:
+        pass
+    subprocess.run(["fusermount3", "-u", "-z", os.path.join(d.home, "envlet", "mnt")], capture_output=True)
+    left = leftovers(d)
+    from weenv.provision.cgroups import detect_backend
+
+    detect_backend(d.cgroup_root).remove_parent()
+    shutil.rmtree(d.home, ignore_errors=True)
+    return left
+
+
 def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -197,4 +223,4 @@ def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bo
     return False
 
 
-__all__ = ["DaemonHandle", "busybox_plan", "leftovers", "wait_for", "json"]
+__all__ = ["DaemonHandle", "busybox_plan", "leftovers", "teardown_private_daemon", "wait_for", "json"]

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -76,7 +75,10 @@ def test_timeout_kills_the_whole_tree_and_missing_commands_are_clear(daemon):
 
 
 def test_upper_dir_is_bounded_and_a_full_disk_only_fails_inside(daemon):
-    with daemon.client() as c, c.create(daemon.plan_lock) as env, c.create(daemon.plan_lock) as other:
+    # memory min above the 64 MiB disk: the upper (tmpfs, charged to the env) must hit its size
+    # bound, not the env's memory limit
+    with daemon.client() as c, c.create(daemon.plan_lock, memory="160MiB-512MiB") as env, \
+            c.create(daemon.plan_lock) as other:
         r = env.exec(["sh", "-c", "dd if=/dev/zero of=/fill bs=1M count=200 2>&1; echo rc=$?"], timeout_s=60)
         assert b"No space left" in r.stdout
         assert other.exec(["sh", "-c", "echo fine > /tmp/x && cat /tmp/x"]).stdout == b"fine\n"
@@ -242,7 +244,7 @@ def test_a_pulled_image_config_becomes_plan_defaults(daemon, busybox_oci, tmp_pa
 def test_warm_pool_hands_out_started_envs_and_drops_idle_pools(tmp_path, monkeypatch):
     import tempfile
 
-    from .fixtures_daemon import DaemonHandle, busybox_plan
+    from .fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon
 
     home = tempfile.mkdtemp(prefix="weenv-pool-")
     plan, lock = busybox_plan(home, "pool")
@@ -268,27 +270,8 @@ def test_warm_pool_hands_out_started_envs_and_drops_idle_pools(tmp_path, monkeyp
             # nobody asks for this lock any more: its pool goes after the idle time
             assert wait_for(lambda: os.listdir(os.path.join(home, "envs")) == [], timeout_s=30)
     finally:
-        with d.client() as c:
-            for e in c.list():
-                c.get(e["id"]).kill()
-            c.gc()
-        d.stop()
-        try:
-            from weenv.envlet import EnvletClient
-
-            os.kill(EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"], 15)
-            time.sleep(1)
-        except Exception:
-            pass
-        subprocess.run(["fusermount3", "-u", "-z", os.path.join(home, "envlet", "mnt")], capture_output=True)
-        left = leftovers(d)
-        from weenv.provision.cgroups import detect_backend
-
-        detect_backend(d.cgroup_root).remove_parent()
-        import shutil
-
         log = d.log()
-        shutil.rmtree(home, ignore_errors=True)
+        left = teardown_private_daemon(d)
         assert left == [], log[-5000:]
 
 

@@ -67,12 +67,18 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
 @click.option("--memory-burst-reservation/--no-memory-burst-reservation", default=True, show_default=True,
               help="A memory burst starts only if the node can cover the env up to its max (no deadlock "
                    "of half-grown envs on a full node).")
+@click.option("--layer-trees-after", type=click.IntRange(0), default=None,
+              help="Keep a group layer as a local directory (no FUSE for envs started after) once this many "
+                   "env starts used it; 0: never [default: 3, or $WEENV_LAYER_TREES_AFTER].")
+@click.option("--layer-trees-size", type=SIZE, default=None,
+              help="Disk the layer directories may take (least recently used unstacked ones go first) "
+                   "[default: 16GiB, or $WEENV_LAYER_TREES_SIZE].")
 @click.option("--debug", is_flag=True)
 def daemon_cmd(envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
                hold_s: float, cpu_throttle_up: float, cpu_low: float, memory_high_water: float,
                memory_low_water: float, memory_pressure_up: float, memory_headroom: int, node_reserve: int,
                cpu_burst_budget: float | None, cpu_min_overcommit: float, memory_burst_reservation: bool,
-               debug: bool) -> None:
+               layer_trees_after: int | None, layer_trees_size: int | None, debug: bool) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed)."""
     from ..provision import DaemonConfig, serve
     from ..provision._policy import PolicyConfig
@@ -88,8 +94,13 @@ def daemon_cmd(envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: in
         cpu_burst_budget_cores=cpu_burst_budget, cpu_min_overcommit=cpu_min_overcommit,
         memory_burst_reservation=memory_burst_reservation,
     )
-    serve(DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms,
-                       monitor_offload=monitor_offload, policy=policy, cgroup_root=cgroup_root), debug=debug)
+    config = DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms,
+                          monitor_offload=monitor_offload, policy=policy, cgroup_root=cgroup_root)
+    if layer_trees_after is not None:
+        config.layer_trees_after = layer_trees_after
+    if layer_trees_size is not None:
+        config.layer_trees_size_bytes = layer_trees_size
+    serve(config, debug=debug)
 
 
 @main.command("up")

@@ -68,6 +68,33 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     pool_size: int = msgspec.field(default_factory=lambda: int(os.environ.get("WEENV_POOL_SIZE", "0") or 0))
     pool_idle_s: float = msgspec.field(  # a lock's pool is dropped after this long without a create
         default_factory=lambda: float(os.environ.get("WEENV_POOL_IDLE_S", "120") or 120))
+    # a group layer is kept as a local directory after this many env starts used it (0: never;
+    # env WEENV_LAYER_TREES_AFTER), within this many bytes of trees (weenv/provision/_trees.py)
+    layer_trees_after: int = msgspec.field(
+        default_factory=lambda: _int_env("WEENV_LAYER_TREES_AFTER", 3))
+    layer_trees_size_bytes: int = msgspec.field(
+        default_factory=lambda: _size_env("WEENV_LAYER_TREES_SIZE", 16 << 30))
+
+
+def _size_env(name: str, default: int) -> int:
+    from ..plan._units import parse_size
+
+    value = os.environ.get(name)
+    try:
+        return parse_size(value) if value else default
+    except ValueError as e:
+        raise ValueError(f"${name}: {e}") from None
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    try:
+        n = int(value) if value else default
+    except ValueError:
+        raise ValueError(f"${name}: {value!r} is not a whole number") from None
+    if n < 0:
+        raise ValueError(f"${name}: {n} must not be negative")
+    return n
 
 
 def _error(e: BaseException) -> HTTPError:
@@ -117,6 +144,8 @@ class Daemon:
         self.envlet = EnvletClient(self.envlet_socket)
         self.manager = EnvManager(envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend,
                                   monitor=self.monitor, envlet=self.envlet)
+        if c.layer_trees_after > 0:
+            self.manager.enable_layer_trees(after=c.layer_trees_after, budget_bytes=c.layer_trees_size_bytes)
         self.started_s = time.time()
         self._nursery: trio.Nursery | None = None
         self.router = Router()
@@ -171,6 +200,8 @@ class Daemon:
                 nursery.start_soon(self.manager.pool_janitor, self.config.pool_idle_s)
             await nursery.start(self.monitor.run)
             nursery.start_soon(self.manager.ttl_loop)
+            if self.manager.layer_trees is not None:
+                await nursery.start(self.manager.layer_trees.run, self.manager.trees_in_use)
             nursery.start_soon(self._supervise_envlet)
             await nursery.start(server.serve_unix, self.socket_path)
             log.info("weenv daemon %s serving %s (re-adopted %d envs)", __version__, self.socket_path,
@@ -333,7 +364,9 @@ class Daemon:
 
         @r.route("GET", "/v1/top")
         async def top(req: Request) -> Response:
-            return json_response({**self.monitor.snapshot(), "statistics": msgspec.to_builtins(self.monitor.statistics())})
+            trees = m.layer_trees.stats() if m.layer_trees is not None else None
+            return json_response({**self.monitor.snapshot(), "statistics": msgspec.to_builtins(self.monitor.statistics()),
+                                  "layer_trees": trees})
 
         @r.route("GET", "/v1/metrics")
         async def metrics(req: Request) -> Response:

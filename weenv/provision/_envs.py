@@ -43,6 +43,7 @@ from ._policy import EnvLimits
 from ._runtime import ExecResult, Runtime, prepare_bundle
 from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
+from ._trees import LayerTrees
 from .cgroups import Cgroup, CgroupBackend
 
 log = logging.getLogger("weenv.daemon")
@@ -130,6 +131,7 @@ class EnvManager:
         # Snapshot layers made on this node, also kept as plain directories (a copy of the sealed
         # upper): envs from the snapshot stack them as overlay lowers directly, not through FUSE.
         self.trees_dir = os.path.join(os.path.dirname(envs_dir), "snapshot-trees")
+        self.layer_trees: LayerTrees | None = None  # hot group layers as directories (enable_layer_trees)
         self._trees_in_progress: set[str] = set()
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
         os.makedirs(self.trees_dir, mode=0o700, exist_ok=True)
@@ -138,6 +140,14 @@ class EnvManager:
 
     def _lock(self, env_id: str) -> trio.Lock:
         return self._locks.setdefault(env_id, trio.Lock())
+
+    def enable_layer_trees(self, *, after: int, budget_bytes: int) -> LayerTrees:
+        self.layer_trees = LayerTrees(os.path.join(os.path.dirname(self.envs_dir), "layer-trees"), after=after,
+                                      budget_bytes=budget_bytes, pins=self.pinned_layers)
+        return self.layer_trees
+
+    def trees_in_use(self) -> set[str]:
+        return {d for rec in self.envs.values() for d in rec.trees}
 
     def tree_path(self, digest: str) -> str:
         """Where a snapshot layer made on this node is kept as a directory (it may not exist)."""
@@ -298,6 +308,11 @@ class EnvManager:
             tree = self.tree_path(layers[i][1])
             if os.path.isdir(tree):
                 paths[i] = tree
+        for i in range(len(lock.groups)):  # hot group layers kept here as directories
+            tree = self.layer_trees.path(layers[i][1]) if self.layer_trees is not None else None
+            if tree is not None:
+                paths[i] = tree
+                rec.trees.append(layers[i][1])  # recorded at once: eviction must not take it from under us
 
         errors: list[Exception] = []
 
@@ -375,6 +390,20 @@ class EnvManager:
         rec.status = "running"
         self._save(rec)
         mark("save")
+        if self.layer_trees is not None:
+            for spec, digest, size, toc, repo in layers[:len(lock.groups)]:
+                if digest not in rec.trees:
+                    self.layer_trees.note_start(digest, size, *self._tree_source(spec, digest, size, toc, repo))
+
+    def _tree_source(self, spec: StoreSpec, digest: str, size: int, toc: str, repo: str
+                     ) -> tuple[Callable[[], tuple[str, str]], Callable[[str], None]]:
+        """How a layer tree copy gets (and lets go of) the layer's directory on the envlet's mount."""
+
+        def register() -> tuple[str, str]:
+            info = self.envlet.register(spec, digest, size, toc, repo=repo)
+            return info.name, info.path
+
+        return register, self.envlet.unregister
 
     # ------------------------------------------------------------------ teardown
 

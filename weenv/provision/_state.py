@@ -30,6 +30,7 @@ class EnvRecord(msgspec.Struct, kw_only=True):
     error: str = ""
     timings_ms: dict[str, float] = {}  # how long each step of create took
     snapshot_layers: list[dict[str, Any]] = []  # sealed layers on top of the lock's groups (digest, size, toc_digest)
+    trees: list[str] = []  # digests of the group layers it stacks as local trees (not through the envlet)
 
     def public(self, envs_dir: str) -> dict[str, Any]:
         """What ``ps`` / the API show."""
