@@ -160,3 +160,44 @@ def test_eviction_takes_least_recently_used_trees_that_no_env_stacks(tmp_path):
     removed = trio.run(lambda: t.evict(900, in_use={"sha256:a"}))
     assert removed == ["sha256-c"] and set(t.trees) == {"sha256-a"}  # a stays even over the budget
     assert t.stats()["evictions"] == 2
+
+
+def test_a_queued_copy_becomes_a_tree_and_one_without_room_is_dropped_and_retried_later(tmp_path):
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "f").write_bytes(b"x" * 50_000)
+    (src / "etc" / "link").symlink_to("f")
+    t = LayerTrees(str(tmp_path / "t"), after=1, budget_bytes=100_000)  # room for one such tree (~60 kB)
+    events = []
+
+    def register() -> tuple[str, str]:
+        events.append("register")
+        return "layer-a", str(src)
+
+    def unregister(name: str) -> None:
+        events.append(f"unregister {name}")
+
+    stacked: set[str] = set()
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(t.run, lambda: stacked)
+            t.note_start("sha256:aa", 1000, register, unregister)
+            while t.stats()["queued"]:
+                await trio.sleep(0.01)
+            assert t.pins == {}  # the envlet reference was held during the copy only
+            stacked.add("sha256:aa")  # a live env stacks it: it cannot be evicted
+            t.note_start("sha256:bb", 1000, register, unregister)  # would need room it cannot get
+            while t.stats()["queued"]:
+                await trio.sleep(0.01)
+            t.note_start("sha256:bb", 1000, register, unregister)  # too early to retry: not queued
+            assert t.stats()["queued"] == 0
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    tree = t.path("sha256:aa")
+    assert tree is not None and os.readlink(os.path.join(tree, "etc", "link")) == "f"
+    assert (open(os.path.join(tree, "etc", "f"), "rb").read()) == b"x" * 50_000
+    assert t.stats()["copies"] == 1 and t.path("sha256:bb") is None
+    assert sorted(os.listdir(tmp_path / "t")) == ["sha256-aa", "sha256-aa.size"]  # the second copy is gone
+    assert events == ["register", "unregister layer-a", "register", "unregister layer-a"]
