@@ -201,3 +201,21 @@ def test_a_queued_copy_becomes_a_tree_and_one_without_room_is_dropped_and_retrie
     assert t.stats()["copies"] == 1 and t.path("sha256:bb") is None
     assert sorted(os.listdir(tmp_path / "t")) == ["sha256-aa", "sha256-aa.size"]  # the second copy is gone
     assert events == ["register", "unregister layer-a", "register", "unregister layer-a"]
+
+
+def test_a_failed_copy_leaves_nothing_and_is_not_retried_at_once(tmp_path):
+    t = LayerTrees(str(tmp_path / "t"), after=1, budget_bytes=1 << 20)
+    released = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(t.run, set)
+            t.note_start("sha256:aa", 10, lambda: ("layer-a", str(tmp_path / "missing")), released.append)
+            while t.stats()["queued"]:
+                await trio.sleep(0.01)
+            t.note_start("sha256:aa", 10, lambda: ("layer-a", str(tmp_path / "missing")), released.append)
+            assert t.stats()["queued"] == 0  # a failing layer is not copied again at every start
+            n.cancel_scope.cancel()
+
+    trio.run(main)
+    assert released == ["layer-a"] and t.trees == {} and os.listdir(tmp_path / "t") == [] and t.pins == {}

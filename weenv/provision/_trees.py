@@ -12,7 +12,7 @@ after that stack the directory instead.
   started); 0 turns the feature off. One copy runs at a time.
 - Bound: the trees' bytes (``du``) stay under ``budget_bytes``: least recently used trees that no
   live env stacks are removed first; a layer bigger than the budget is never copied, and one that
-  finds the budget full of trees in use is dropped and tried again later.
+  finds the budget full of trees in use (or whose copy fails) is tried again 5 minutes later.
 - A tree is complete once it has its name (the copy goes to ``.tmp-*`` and is renamed); a daemon
   start removes leftovers of copies that did not finish.
 """
@@ -57,7 +57,7 @@ class LayerTrees:
         self.trees: dict[str, _Tree] = {}
         self._queued: set[str] = set()
         self._too_big: set[str] = set()
-        self._no_room_until: dict[str, float] = {}  # no room left by trees in use: retry after this
+        self._retry_after: dict[str, float] = {}  # a copy failed or found no room: not before this
         self.retry_s = 300.0
         self._send, self._receive = trio.open_memory_channel[_Job](1024)
         self.copies = 0
@@ -104,7 +104,7 @@ class LayerTrees:
         self.uses[key] = self.uses.get(key, 0) + 1
         if self.uses[key] < self.after or key in self.trees or key in self._queued or key in self._too_big:
             return
-        if time.monotonic() < self._no_room_until.get(key, 0.0):
+        if time.monotonic() < self._retry_after.get(key, 0.0):
             return
         if size > self.budget_bytes:  # compressed size: the tree can only be bigger
             self._too_big.add(key)
@@ -123,7 +123,9 @@ class LayerTrees:
             try:
                 await self._copy(job, in_use)
             except Exception as e:  # noqa: BLE001 - a failed copy only means the envlet keeps serving it
-                log.warning("layer %s: no tree (%s): envs keep reading it through the envlet", job.digest, e)
+                self._retry_after[self.key(job.digest)] = time.monotonic() + self.retry_s
+                log.warning("layer %s: no tree (%s): envs keep reading it through the envlet; retrying in %.0f s",
+                            job.digest, e, self.retry_s)
             finally:
                 self._queued.discard(self.key(job.digest))
 
@@ -159,7 +161,7 @@ class LayerTrees:
         await self.evict(size, in_use())
         if self.size_bytes + size > self.budget_bytes:  # the rest is stacked by live envs
             await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
-            self._no_room_until[key] = time.monotonic() + self.retry_s
+            self._retry_after[key] = time.monotonic() + self.retry_s
             log.info("layer %s: no room for its tree (%d bytes): the trees in use fill the %d-byte budget; "
                      "retrying in %.0f s", job.digest, size, self.budget_bytes, self.retry_s)
             return
