@@ -114,7 +114,9 @@ def main() -> None:
     opts = p.parse_args()
     if opts.quick:
         opts.tasks, opts.samples, opts.calls, opts.install_s = 2, 4, 2, 0.2
-    report = Report(opts.name, "slime rollout step: fork per group vs fresh env per sample", opts.quick)
+    setup_kind = (f", CPU-bound setup ({opts.setup_cpu_loops} shell loop iterations)" if opts.setup_cpu_loops
+                  else f", setup waits {opts.install_s:g} s")
+    report = Report(opts.name, f"slime rollout step: fork per group vs fresh env per sample{setup_kind}", opts.quick)
     server = FakeSGLang(latency_s=opts.gen_latency_ms / 1000)
     server.reply = turns(script(opts.calls))
     results: dict[str, dict[str, Any]] = {}
