@@ -135,6 +135,9 @@ def test_copies_are_queued_on_the_nth_start_once_and_never_for_a_layer_above_the
     for _ in range(3):
         t.note_start("sha256:big", 5000, reg, lambda n: None)
     assert t.stats()["queued"] == 1
+    capped = LayerTrees(str(tmp_path / "capped"), after=1, budget_bytes=1 << 30, max_layer_bytes=100)
+    capped.note_start("sha256:cc", 101, reg, lambda n: None)  # a copy would pull all of it: stays lazy
+    assert capped.stats()["queued"] == 0
     off = LayerTrees(str(tmp_path / "off"), after=0, budget_bytes=1000)
     for _ in range(5):
         off.note_start("sha256:aa", 10, reg, lambda n: None)

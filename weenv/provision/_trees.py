@@ -10,6 +10,8 @@ after that stack the directory instead.
 
 - When: after ``after`` env starts on this node used the layer (counted since the daemon
   started); 0 turns the feature off. One copy runs at a time.
+- Cost: a copy reads the whole layer, so it pulls what the envs did not read yet; layers above
+  ``max_layer_bytes`` (compressed, 2 GiB by default) stay lazy.
 - Bound: the trees' bytes (``du``) stay under ``budget_bytes``: least recently used trees that no
   live env stacks are removed first; a layer bigger than the budget is never copied, and one that
   finds the budget full of trees in use (or whose copy fails) is tried again 5 minutes later.
@@ -48,8 +50,10 @@ class _Job:
 class LayerTrees:
     """All blocking work runs in worker threads; the bookkeeping runs on the daemon's trio loop."""
 
-    def __init__(self, root: str, *, after: int, budget_bytes: int, pins: dict[str, int] | None = None):
+    def __init__(self, root: str, *, after: int, budget_bytes: int, max_layer_bytes: int = 2 << 30,
+                 pins: dict[str, int] | None = None):
         self.root = root
+        self.max_layer_bytes = max_layer_bytes  # compressed: a bigger layer stays lazy
         self.pins = pins if pins is not None else {}  # envlet references held while copying (for gc)
         self.after = after
         self.budget_bytes = budget_bytes
@@ -106,7 +110,7 @@ class LayerTrees:
             return
         if time.monotonic() < self._retry_after.get(key, 0.0):
             return
-        if size > self.budget_bytes:  # compressed size: the tree can only be bigger
+        if size > min(self.budget_bytes, self.max_layer_bytes):  # compressed: the tree can only be bigger
             self._too_big.add(key)
             return
         try:
