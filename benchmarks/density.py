@@ -631,9 +631,10 @@ def main() -> None:
             report.series["node_over_time_n"] = [best.n]
         if trace is not None:
             report.series["quota_trace"] = [trace]
-        from . import _plots
+        if not report.quick:  # a smoke run must not overwrite the published plots
+            from . import _plots
 
-        report.plots = [p for p in (_plots.quota_over_time(report.series), _plots.density(report.series)) if p]
+            report.plots = [p for p in (_plots.quota_over_time(report.series), _plots.density(report.series)) if p]
         report.print()
         print("saved", report.save())
         log("done")
