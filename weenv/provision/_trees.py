@@ -142,7 +142,8 @@ class LayerTrees:
         self.pins[name] = self.pins.get(name, 0) + 1
         try:
             await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
-            p = await trio.run_process(["cp", "-a", "--", src, tmp], capture_stderr=True, check=False)
+            # at the lowest priority: it yields to the envs (and so asks less of the envlet) when busy
+            p = await trio.run_process([*_LOW_PRIORITY, "cp", "-a", "--", src, tmp], capture_stderr=True, check=False)
             if p.returncode != 0:
                 raise RuntimeError(f"cp -a failed: {p.stderr.decode(errors='replace').strip()[-300:]}")
             size = await trio.to_thread.run_sync(_du, tmp)
@@ -205,6 +206,10 @@ class LayerTrees:
     def stats(self) -> dict[str, int]:
         return {"trees": len(self.trees), "bytes": self.size_bytes, "budget_bytes": self.budget_bytes,
                 "copies": self.copies, "evictions": self.evictions, "queued": len(self._queued)}
+
+
+_LOW_PRIORITY = (["nice", "-n", "19"] if shutil.which("nice") else []) + (
+    ["ionice", "-c", "3"] if shutil.which("ionice") else [])
 
 
 def _du(path: str) -> int:
