@@ -69,6 +69,44 @@ def test_every_file_reads_back_with_the_same_bytes_and_stat(tmp_path, envlet):
             assert fh.read(70_000) == ref.read(70_000)
 
 
+def test_extract_writes_a_layer_out_exactly_as_the_mount_shows_it(tmp_path, envlet_factory):
+    from weenv.envlet import ControlError
+
+    src = rich_tree(tmp_path / "src")
+    layer = build_layer_file(src, str(tmp_path / "l"), chunk_size=256 * 1024)
+    cold = envlet_factory("cold")  # empty caches: the whole layer comes in a few large range reads
+    info = layer.register(cold)
+    out = tmp_path / "out"
+    counts = cold.client.extract(info.name, str(out))
+    s = cold.client.stats()
+    assert s["remote_fetches"] <= 3 and s["fuse_reads"] == 0  # no FUSE involved
+    assert normalize_groups(snapshot(out, root_meta=True)) == normalize_groups(snapshot(info.path, root_meta=True))
+    assert normalize_groups(snapshot(out)) == normalize_groups(snapshot(src))
+    assert counts["links"] == 1 and counts["bytes"] >= 2_500_000 and counts["nodes"] == 2
+    a, b = os.stat(out / "usr/lib/big.so"), os.stat(out / "usr/lib/big-again.so")
+    assert a.st_ino == b.st_ino and a.st_nlink == 2 and os.stat(out / "usr/bin/tool").st_mode & 0o4000
+    assert stat.S_IMODE(os.stat(out).st_mode) == stat.S_IMODE(os.stat(info.path).st_mode)
+    # OCI whiteouts and opaque dirs come out as overlayfs wants them in a lower
+    wh = make_tree(tmp_path / "wh", d("var/cache"), f("var/cache/.wh..wh..opq"), f("var/cache/new", b"n"),
+                   d("opt"), f("opt/.wh.tool"))
+    tar = str(tmp_path / "wh.tar")
+    subprocess.run(["tar", "--numeric-owner", "-cf", tar, "-C", str(wh), "."], check=True)
+    info2 = build_layer_file(tar, str(tmp_path / "wh.weenv")).register(cold)
+    cold.client.extract(info2.name, str(tmp_path / "out2"))
+    assert snapshot(tmp_path / "out2") == snapshot(info2.path)
+    assert os.getxattr(tmp_path / "out2" / "var/cache", "trusted.overlay.opaque") == b"y"
+    st = os.lstat(tmp_path / "out2" / "opt/tool")
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+    # bad requests: an existing or relative destination, an unknown layer
+    with pytest.raises(ControlError, match="exists"):
+        cold.client.extract(info.name, str(out))
+    with pytest.raises(ControlError, match="absolute"):
+        cold.client.extract(info.name, "relative/dir")
+    with pytest.raises(LayerNotFoundError):
+        cold.client.extract("nosuchlayer", str(tmp_path / "x"))
+    assert not os.path.exists(tmp_path / "x")
+
+
 def test_readdir_offsets_are_stable_and_statfs_answers(tmp_path, envlet):
     src = make_tree(tmp_path / "src", *[f(f"dir/f{i:04}", b"x") for i in range(700)])
     info = build_layer_file(src, str(tmp_path / "l")).register(envlet)

@@ -66,7 +66,14 @@ class Trace(msgspec.Struct, tag="trace", forbid_unknown_fields=True):
     clear: bool = False
 
 
-Request = Register | Unregister | ListLayers | Stats | Prune | Ping | Trace
+class Extract(msgspec.Struct, tag="extract", forbid_unknown_fields=True):
+    """Write a registered layer out as a plain directory ``dest`` (which must not exist)."""
+
+    name: str
+    dest: str
+
+
+Request = Register | Unregister | ListLayers | Stats | Prune | Ping | Trace | Extract
 
 
 class Reply(msgspec.Struct):
@@ -163,6 +170,10 @@ class EnvletClient:
 
     def trace(self, name: str, *, clear: bool = False) -> list[str]:
         return self._call(Trace(name, clear))
+
+    def extract(self, name: str, dest: str, *, timeout_s: float = 3600.0) -> dict:
+        """Counts of what was made (dirs, files, links, symlinks, nodes, bytes)."""
+        return self._call(Extract(name, dest), timeout_s)
 
     def wait_ready(self, timeout_s: float = 10.0, *, pid: int | None = None) -> None:
         """Block until the envlet answers a ping (or its process ``pid`` exits, or the timeout passes)."""

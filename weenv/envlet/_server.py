@@ -31,6 +31,7 @@ from ..layerfmt import RandomAccessReader
 from ._cache import DiskCache, MemoryCache
 from ._control import (
     MAX_MESSAGE_BYTES,
+    Extract,
     LayerInfo,
     ListLayers,
     Ping,
@@ -45,6 +46,7 @@ from ._control import (
     encoder,
     request_decoder,
 )
+from ._extract import extract_layer
 from ._fetch import Fetcher, LayerSource
 from ._fs import EnvletFS
 from ._metrics import Metrics, start_prometheus
@@ -326,6 +328,14 @@ class Envlet:
                 if req.clear:
                     m.first_reads.clear()
                 return Reply(True, paths)
+            if isinstance(req, Extract):
+                m = self.by_name[req.name]
+                if not os.path.isabs(req.dest):
+                    return Reply(False, error=f"extract: {req.dest!r} is not an absolute path", error_kind="bad_request")
+                counts = await extract_layer(
+                    m.tree, lambda chunks, path: self.fetcher.get(m.source, chunks, path),
+                    lambda chunks: self.fetcher.prefetch(m.source, chunks), req.dest)
+                return Reply(True, counts)
             if isinstance(req, Prune):
                 files, freed = await trio.to_thread.run_sync(self.l2.prune, req.to_bytes)
                 self.l1.clear()

@@ -393,14 +393,15 @@ class EnvManager:
         if self.layer_trees is not None:
             for spec, digest, size, toc, repo in layers[:len(lock.groups)]:
                 if digest not in rec.trees:
-                    self.layer_trees.note_start(digest, size, *self._tree_source(spec, digest, size, toc, repo))
+                    register, unregister = self._tree_source(spec, digest, size, toc, repo)
+                    self.layer_trees.note_start(digest, size, register, unregister, copy=self.envlet.extract)
 
     def _tree_source(self, spec: StoreSpec, digest: str, size: int, toc: str, repo: str
                      ) -> tuple[Callable[[], tuple[str, str]], Callable[[str], None]]:
-        """How a layer tree copy gets (and lets go of) the layer's directory on the envlet's mount."""
+        """How a layer tree copy holds (and lets go of) the layer in the envlet while it is written out."""
 
         def register() -> tuple[str, str]:
-            info = self.envlet.register(spec, digest, size, toc, repo=repo)
+            info = self.envlet.register(spec, digest, size, toc, repo=repo, prefetch=False)
             return info.name, info.path
 
         return register, self.envlet.unregister

@@ -3,10 +3,11 @@
 The envlet makes a first start fast: nothing is pulled but what is read. But every ``open`` of a
 file in a lazily served layer is a request to the envlet's one Python loop, for the life of every
 env; with 16 envs starting Python at once, a node spends 1.4–1.7x as long as on local lowers
-(``benchmarks/layer_trees.py``). So a layer that envs keep using on a node is copied once, in the
-background, from the envlet's mount (every byte verified on the way; whiteouts, opaque dirs,
-xattrs, hardlinks kept by ``cp -a``) into ``$WEENV_HOME/layer-trees/<digest>/``, and envs started
-after that stack the directory instead.
+(``benchmarks/layer_trees.py``). So a layer that envs keep using on a node is written out once, in
+the background, by the envlet from its verified chunks (``EnvletClient.extract``: the whole layer
+in large range reads, then files by worker threads; whiteouts, opaque dirs, xattrs, hardlinks as
+the mount shows them) into ``$WEENV_HOME/layer-trees/<digest>/``, and envs started after that
+stack the directory instead.
 
 - When: after ``after`` env starts on this node used the layer (counted since the daemon
   started); 0 turns the feature off. One copy runs at a time.
@@ -45,6 +46,7 @@ class _Job:
     digest: str
     register: Callable[[], tuple[str, str]]  # -> (envlet layer name, path of its directory)
     unregister: Callable[[str], None]
+    copy: Callable[[str, str], None] | None = None  # (layer name, destination); None: cp -a of the path
 
 
 class LayerTrees:
@@ -100,7 +102,7 @@ class LayerTrees:
         return os.path.join(self.root, self.key(digest))
 
     def note_start(self, digest: str, size: int, register: Callable[[], tuple[str, str]],
-                   unregister: Callable[[str], None]) -> None:
+                   unregister: Callable[[str], None], copy: Callable[[str, str], None] | None = None) -> None:
         """An env started with ``digest`` served by the envlet; the ``after``-th such start queues its copy."""
         if self.after <= 0:
             return
@@ -114,7 +116,7 @@ class LayerTrees:
             self._too_big.add(key)
             return
         try:
-            self._send.send_nowait(_Job(digest, register, unregister))
+            self._send.send_nowait(_Job(digest, register, unregister, copy))
             self._queued.add(key)
         except trio.WouldBlock:
             pass
@@ -142,10 +144,13 @@ class LayerTrees:
         self.pins[name] = self.pins.get(name, 0) + 1
         try:
             await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
-            # at the lowest priority: it yields to the envs (and so asks less of the envlet) when busy
-            p = await trio.run_process([*_LOW_PRIORITY, "cp", "-a", "--", src, tmp], capture_stderr=True, check=False)
-            if p.returncode != 0:
-                raise RuntimeError(f"cp -a failed: {p.stderr.decode(errors='replace').strip()[-300:]}")
+            if job.copy is not None:  # the envlet writes it out from its chunks
+                await trio.to_thread.run_sync(job.copy, name, tmp)
+            else:  # at the lowest priority: it yields to the envs when the node is busy
+                p = await trio.run_process([*_LOW_PRIORITY, "cp", "-a", "--", src, tmp], capture_stderr=True,
+                                           check=False)
+                if p.returncode != 0:
+                    raise RuntimeError(f"cp -a failed: {p.stderr.decode(errors='replace').strip()[-300:]}")
             size = await trio.to_thread.run_sync(_du, tmp)
         except BaseException:
             with trio.CancelScope(shield=True):
