@@ -330,6 +330,7 @@ def test_weenv_top_once_json_live_and_ps_json(edaemon, client):
         row = next(line for line in out.output.splitlines() if line.split()[:1] == [env.id])
         assert "/0.25" in row and "0.25-1.00" in row and "/32.0MiB" in row and "256.0MiB" in row, row
         assert "1 env ·" in out.output and "admission refused" in out.output
+        assert "layer trees " in out.output and "of 16.0GiB" in out.output
         out = runner.invoke(main, ["top", "--json"])
         assert out.exit_code == 0, out.output
         top = json.loads(out.output)

@@ -60,6 +60,10 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
         f"tick {top.get('interval_ms', '-')} ms (last {stats.get('last_tick_s', 0) * 1000:.1f} ms, "
         f"{stats.get('late_ticks', 0)} late) · admission refused {admission.get('refused', 0)}"
     )
+    trees = top.get("layer_trees")
+    if trees:
+        head.append(f"\nlayer trees {trees['trees']} ({_bytes(trees['bytes'])} of {_bytes(trees['budget_bytes'])}), "
+                    f"{trees['copies']} made, {trees['evictions']} evicted, {trees['queued']} queued")
     t = Table(box=None, header_style="bold")
     for col, justify in (("ENV", "left"), ("CPU USED/QUOTA", "right"), ("MIN-MAX", "right"), ("THR", "right"),
                          ("MEM USED/LIMIT", "right"), ("MAX", "right"), ("LAST CHANGE", "left"),
