@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tests.fixtures_daemon import DaemonHandle, busybox_plan
+from tests.fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon
 
 
 @contextmanager
@@ -30,31 +28,4 @@ def bench_daemon(name: str, *, replace: dict[str, str] | None = None) -> Iterato
     try:
         yield d
     finally:
-        try:
-            with d.client() as c:
-                for e in c.list():
-                    c.get(e["id"]).kill()
-                for s in c.snapshots():
-                    c.delete_snapshot(s["id"])
-                c.gc()
-        except Exception:
-            pass
-        d.stop()
-        from weenv.envlet import EnvletClient
-
-        try:
-            pid = EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"]
-            os.kill(pid, 15)
-            for _ in range(50):
-                os.kill(pid, 0)
-                time.sleep(0.05)
-        except Exception:
-            pass
-        os.system(f"fusermount3 -u -z {home}/envlet/mnt 2>/dev/null")
-        from weenv.provision.cgroups import detect_backend
-
-        try:
-            detect_backend(d.cgroup_root).remove_parent()
-        except Exception:
-            pass
-        shutil.rmtree(home, ignore_errors=True)
+        teardown_private_daemon(d)  # the home, with its snapshots, goes with it

@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import _plots
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
-PLOTS = DOCS / "benchmarks"
 
 
 def _load(quick: bool) -> dict[str, dict[str, Any]]:
@@ -40,67 +41,8 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _plot_start(data: dict[str, Any]) -> str | None:
-    s = data.get("series", {})
-    if not s.get("start_ms"):
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.hist(s["start_ms"], bins=40, alpha=0.7, label="weenv: create → first exec output")
-    if s.get("start_pool_ms"):
-        ax.hist(s["start_pool_ms"], bins=40, alpha=0.7, label="weenv with a warm pool of 2")
-    if s.get("bare_crun_ms"):
-        ax.hist(s["bare_crun_ms"], bins=40, alpha=0.7, label="bare crun run (echo)")
-    ax.set_xlabel("milliseconds")
-    ax.set_ylabel("starts")
-    ax.set_title("Warm start latency distribution")
-    ax.legend()
-    fig.tight_layout()
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    path = PLOTS / "start_latency.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"benchmarks/{path.name}"
-
-
-def _plot_lazy(data: dict[str, Any]) -> str | None:
-    series = {k: v for k, v in data.get("series", {}).items() if k.endswith("bytes_over_time") and v}
-    if not series:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for key, points in series.items():
-        profile, title, _ = key.split("|")
-        xs = [p[0] for p in points]
-        ys = [p[1] / 1e6 for p in points]
-        ax.plot(xs, ys, label=f"{title}, {profile}")
-    ax.set_xlabel("seconds since the start request")
-    ax.set_ylabel("MB fetched")
-    ax.set_title("Bytes fetched over time during a lazy cold start")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    path = PLOTS / "lazy_bytes_over_time.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"benchmarks/{path.name}"
-
-
-def _plot_density(data: dict) -> list[str]:
-    from . import _plots  # quota over time and density vs overcommit
-
-    return _plots.write_all({"density": data})
-
-
-PLOTTERS = {"start": _plot_start, "envlet_lazy_start": _plot_lazy, "density": _plot_density}
+PLOTTERS = {"start": _plots.start_latency, "envlet_lazy_start": _plots.lazy_bytes_over_time,
+            "density": lambda data: _plots.write_all({"density": data})}
 
 
 def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = None) -> Path:

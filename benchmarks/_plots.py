@@ -1,4 +1,4 @@
-"""PNG plots of the elastic benchmarks (matplotlib, the ``bench`` extra), from a report's series.
+"""PNG plots of the benchmarks (matplotlib, the ``bench`` extra), from a report's series.
 
 ``quota_over_time``: one env's CPU quota and memory limit against its usage under bursts.
 ``density``: completion time against memory overcommit for static and elastic sizing, and the
@@ -29,6 +29,48 @@ def _save(fig: Any, name: str) -> str:
     path = PLOTS / name
     fig.savefig(path, dpi=110)
     return f"benchmarks/{name}"  # relative to docs/
+
+
+def start_latency(data: dict[str, Any]) -> str | None:
+    """Warm start latency distributions (``benchmarks/start.py``)."""
+    s = data.get("series", {})
+    if not s.get("start_ms"):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.hist(s["start_ms"], bins=40, alpha=0.7, label="weenv: create → first exec output")
+    if s.get("start_pool_ms"):
+        ax.hist(s["start_pool_ms"], bins=40, alpha=0.7, label="weenv with a warm pool of 2")
+    if s.get("bare_crun_ms"):
+        ax.hist(s["bare_crun_ms"], bins=40, alpha=0.7, label="bare crun run (echo)")
+    ax.set_xlabel("milliseconds")
+    ax.set_ylabel("starts")
+    ax.set_title("Warm start latency distribution")
+    ax.legend()
+    fig.tight_layout()
+    out = _save(fig, "start_latency.png")
+    plt.close(fig)
+    return out
+
+
+def lazy_bytes_over_time(data: dict[str, Any]) -> str | None:
+    """Bytes fetched over time during lazy cold starts (``benchmarks/envlet_lazy_start.py``)."""
+    series = {k: v for k, v in data.get("series", {}).items() if k.endswith("bytes_over_time") and v}
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for key, points in series.items():
+        profile, title, _ = key.split("|")
+        ax.plot([p[0] for p in points], [p[1] / 1e6 for p in points], label=f"{title}, {profile}")
+    ax.set_xlabel("seconds since the start request")
+    ax.set_ylabel("MB fetched")
+    ax.set_title("Bytes fetched over time during a lazy cold start")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = _save(fig, "lazy_bytes_over_time.png")
+    plt.close(fig)
+    return out
 
 
 def quota_over_time(series: dict[str, Any]) -> str | None:

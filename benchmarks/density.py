@@ -429,25 +429,24 @@ def trace_quotas(node: Node, seconds_per_sample: float = 0.05) -> dict[str, list
             done.set()
 
         t0 = time.monotonic()
-        th = threading.Thread(target=worker)
-        th.start()
-        while not done.is_set():
+
+        def sample() -> None:
             e = c.top()["envs"][env.id]
             series["t"].append(round(time.monotonic() - t0, 3))
             series["cpu_quota"].append(e["cpu"]["quota_cores"])
             series["cpu_used"].append(e["cpu"]["used_cores"])
             series["mem_limit"].append(e["memory"]["limit_bytes"])
             series["mem_used"].append(e["memory"]["used_bytes"])
+
+        th = threading.Thread(target=worker)
+        th.start()
+        while not done.is_set():
+            sample()
             done.wait(seconds_per_sample)
         th.join()
         t_end = time.monotonic() - t0
         while time.monotonic() - t0 < t_end + 6:  # the quotas coming back down after the last burst
-            e = c.top()["envs"][env.id]
-            series["t"].append(round(time.monotonic() - t0, 3))
-            series["cpu_quota"].append(e["cpu"]["quota_cores"])
-            series["cpu_used"].append(e["cpu"]["used_cores"])
-            series["mem_limit"].append(e["memory"]["limit_bytes"])
-            series["mem_used"].append(e["memory"]["used_bytes"])
+            sample()
             time.sleep(seconds_per_sample * 2)
         series["metrics"] = [c.top()["envs"][env.id]["metrics"]]
         env.kill()

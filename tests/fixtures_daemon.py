@@ -146,34 +146,7 @@ def weenv_daemon() -> Iterator[DaemonHandle]:
     try:
         yield handle
     finally:
-        try:
-            with handle.client() as c:
-                for info in c.list():
-                    c.get(info["id"]).kill()
-                c.gc()
-        except Exception:
-            pass
-        handle.stop()
-        envlet_sock = os.path.join(home, "run", "envlet.sock")
-        try:
-            from weenv.envlet import EnvletClient
-
-            pid = EnvletClient(envlet_sock).ping()["pid"]
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(100):
-                os.kill(pid, 0)
-                time.sleep(0.05)
-        except Exception:
-            pass
-        subprocess.run(["fusermount3", "-u", "-z", os.path.join(home, "envlet", "mnt")], capture_output=True)
-        left = leftovers(handle)
-        from weenv.provision.cgroups import detect_backend
-
-        try:
-            detect_backend(handle.cgroup_root).remove_parent()
-        except Exception:
-            pass
-        shutil.rmtree(home, ignore_errors=True)
+        left = teardown_private_daemon(handle)
         assert not left, f"the daemon tests left: {left}"
 
 
@@ -198,18 +171,24 @@ def teardown_private_daemon(d: DaemonHandle) -> list[str]:
     except Exception:
         pass
     d.stop()
-    try:
+    try:  # the envlet outlives the daemon by design: stop it (it unmounts) and wait for it to go
         from weenv.envlet import EnvletClient
 
-        os.kill(EnvletClient(os.path.join(d.home, "run", "envlet.sock")).ping()["pid"], signal.SIGTERM)
-        time.sleep(1)
+        pid = EnvletClient(os.path.join(d.home, "run", "envlet.sock")).ping()["pid"]
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.05)
     except Exception:
         pass
     subprocess.run(["fusermount3", "-u", "-z", os.path.join(d.home, "envlet", "mnt")], capture_output=True)
     left = leftovers(d)
     from weenv.provision.cgroups import detect_backend
 
-    detect_backend(d.cgroup_root).remove_parent()
+    try:
+        detect_backend(d.cgroup_root).remove_parent()
+    except Exception:
+        pass
     shutil.rmtree(d.home, ignore_errors=True)
     return left
 

@@ -22,11 +22,13 @@ HUNGRY = EnvLimits(cpu_min_cores=0.25, cpu_max_cores=2.0, memory_min_bytes=64 * 
 
 
 def run(scenario, *, cfg: PolicyConfig = PolicyConfig(), cpu_cores: float = 4, offload: str = "none",
-        memory_total_bytes: int = 16 * GIB):  # fmt: skip
-    """Run ``scenario(monitor, backend)`` next to a running monitor on a fake clock."""
+        memory_total_bytes: int = 16 * GIB, probe: bool = False):  # fmt: skip
+    """Run ``scenario(monitor, backend)`` next to a running monitor on a fake clock (``probe``: the
+    monitor may skip quiet ticks by the backend's usage counter)."""
     clock = MockClock(autojump_threshold=0)
     backend = FakeBackend(clock=clock.current_time, memory_total_bytes=memory_total_bytes)
-    monitor = Monitor(backend.node_memory, interval_ms=200, cfg=cfg, cpu_cores=cpu_cores, offload=offload)
+    monitor = Monitor(backend.node_memory, interval_ms=200, cfg=cfg, cpu_cores=cpu_cores, offload=offload,
+                      usage_ns=backend.usage_ns if probe else None)
 
     async def main():
         async with trio.open_nursery() as nursery:

@@ -14,27 +14,12 @@ import trio
 from trio.testing import MockClock
 
 from tests.fixtures_cgroups import MIB
+from tests.test_monitor import run
 from weenv.provision._monitor import Monitor
 from weenv.provision._policy import EnvLimits, PolicyConfig
 from weenv.provision.cgroups import FakeBackend
 
 LIMITS = EnvLimits(cpu_min_cores=0.25, cpu_max_cores=2.0, memory_min_bytes=64 * MIB, memory_max_bytes=1 << 30)
-
-
-def run(scenario, *, probe: bool):
-    clock = MockClock(autojump_threshold=0)
-    backend = FakeBackend(clock=clock.current_time)
-    monitor = Monitor(backend.node_memory, interval_ms=200, cpu_cores=4, offload="none",
-                      usage_ns=backend.usage_ns if probe else None)
-
-    async def main():
-        async with trio.open_nursery() as nursery:
-            await nursery.start(monitor.run)
-            await scenario(monitor, backend)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main, clock=clock)
-    return monitor, backend
 
 
 def count_samples(group) -> list[int]:
