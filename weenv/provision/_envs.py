@@ -151,7 +151,7 @@ class EnvManager:
 
     def tree_path(self, digest: str) -> str:
         """Where a snapshot layer made on this node is kept as a directory (it may not exist)."""
-        return os.path.join(self.trees_dir, digest.replace(":", "-"))
+        return os.path.join(self.trees_dir, LayerTrees.key(digest))
 
     def get(self, env_id: str) -> EnvRecord:
         rec = self.envs.get(env_id)
@@ -732,7 +732,7 @@ class EnvManager:
         removed = []
         for layer in rec.layers:
             if layer.digest not in used:
-                shutil.rmtree(self.tree_path(layer.digest), ignore_errors=True)
+                self._discard_tree(self.tree_path(layer.digest))
             if layer.digest not in used and layer.digest not in tagged:
                 try:
                     os.unlink(store.blob_path(layer.digest))
@@ -816,20 +816,35 @@ class EnvManager:
                     lambda: shutil.rmtree(os.path.join(self.envs_dir, env_id), ignore_errors=True))
                 out["dirs"].append(env_id)
         out["layers"] = await self._gc_layers()
-        out["trees"] = await trio.to_thread.run_sync(self._gc_trees)
-        return out
-
-    def _gc_trees(self) -> list[str]:
-        """Remove snapshot trees no snapshot and no env uses (a snapshot deleted while its envs ran)."""
         used = {self.tree_path(layer.digest) for snap in self.snapshots.list() for layer in snap.layers}
         used |= {self.tree_path(x["digest"]) for env in self.envs.values() for x in env.snapshot_layers}
+        out["trees"] = await trio.to_thread.run_sync(self._gc_trees, used | self._trees_in_progress)
+        return out
+
+    def _gc_trees(self, keep: set[str]) -> list[str]:
+        """Remove the snapshot trees not in ``keep`` (a snapshot deleted while its envs ran, a commit
+        or a removal cut short); names of the trees removed."""
         removed = []
         for name in os.listdir(self.trees_dir):
             path = os.path.join(self.trees_dir, name)
-            if path not in used and path not in self._trees_in_progress:
+            if path not in keep:
                 shutil.rmtree(path, ignore_errors=True)
-                removed.append(name)
+                if not name.startswith("."):
+                    removed.append(name)
         return removed
+
+    def _discard_tree(self, path: str) -> None:
+        """Take a snapshot tree out of use at once (a rename); its files go in a worker thread, off the
+        loop (a big tree takes seconds)."""
+        trash = os.path.join(self.trees_dir, f".trash-{secrets.token_hex(6)}")
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return
+        if self.nursery is not None:
+            self.nursery.start_soon(trio.to_thread.run_sync, shutil.rmtree, trash, True)
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
 
     async def _gc_layers(self) -> list[str]:
         """Drop envlet references that no live env holds (left by a daemon that died mid-teardown)."""
