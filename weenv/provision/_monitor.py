@@ -461,14 +461,7 @@ class Monitor:
             for env in live.values():
                 if env.env_id not in stepped:
                     self._add_commitments(env, env.state, env.last, acc)
-        node = NodeView(
-            cpu_cores=self.cpu_cores,
-            cpu_burst_committed_cores=acc[0],
-            memory_total_bytes=total,
-            memory_available_bytes=available,
-            memory_promised_bytes=acc[1],
-            memory_reserved_bytes=acc[2],
-        )
+        node = self._node_view(acc, total, available)
         changes: list[tuple[_Env, Decision]] = []
         cfg = self.cfg
         # Memory held back in this tick for waiting envs that could not start their burst: later
@@ -584,6 +577,10 @@ class Monitor:
         acc = [0.0, 0, 0]
         for env in self._envs.values():
             self._add_commitments(env, env.state, env.last, acc)
+        return self._node_view(acc, total, available)
+
+    def _node_view(self, acc: list, total: int, available: int) -> NodeView:
+        """The node as the policy sees it, from commitments summed by :meth:`_add_commitments`."""
         return NodeView(
             cpu_cores=self.cpu_cores,
             cpu_burst_committed_cores=acc[0],
