@@ -1,22 +1,22 @@
 """Realistic images, built reproducibly and cached outside the clone, keyed by their inputs.
 
-Used by benchmarks (cache /var/cache/weenv-bench) and by slow integration tests
-(cache /var/cache/weenv-test).
+Used by benchmarks and by slow integration tests. Entries live in the fixture cache
+(``$WEENV_FIXTURE_CACHE``, default /var/cache/weenv-fixtures; see weenv/testing/_fixturecache.py),
+which builds each under its own name in a private directory, checks it, renames it into place, and
+checks it again on every read.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-BENCH_CACHE = Path(os.environ.get("WEENV_BENCH_CACHE", "/var/cache/weenv-bench"))
-TEST_CACHE = Path(os.environ.get("WEENV_TEST_CACHE", "/var/cache/weenv-test"))
+from weenv.testing import cached, check_tar, check_tree
+
 BUSYBOX = "/bin/busybox"
 BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "sleep", "mkdir", "rm", "cp", "mv", "true", "false", "env", "id",
                    "touch", "ps", "head", "tail", "wc", "grep", "sed", "dd", "stat", "ln", "chmod", "test", "[",
@@ -24,61 +24,55 @@ BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "sleep", "mkdir", "rm", "cp", "mv"
                    "seq", "sync", "dirname", "basename", "readlink", "date", "yes", "wget", "nc", "ping", "ip",
                    "su", "chown", "mknod", "insmod", "xargs", "tr", "cut", "od", "md5sum", "sha256sum", "df",
                    "du", "ifconfig", "vi", "timeout", "nproc", "pwd", "expr", "awk")
+DEBIAN_MEMBERS = ("etc/os-release", "etc/debian_version", "usr/bin/dpkg")
+INCLUDE_MEMBERS = {"python3": "usr/bin/python3"}  # what an --include must have put into the tar
 
 
 def _key(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _locked_build(path: Path, build) -> Path:  # type: ignore[no-untyped-def]
-    """Build ``path`` once across processes: flock, then temp + rename."""
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():
-            return path
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".build-"))
-        try:
-            out = build(tmp)
-            os.replace(out, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def debian_tar(cache: Path = BENCH_CACHE, *, include: tuple[str, ...] = (), suite: str = "bookworm",
-               variant: str = "minbase") -> Path:
-    """A Debian rootfs tar made by mmdebstrap (about 26 s the first time)."""
+def debian_tar_name(*, include: tuple[str, ...] = (), suite: str = "bookworm", variant: str = "minbase") -> str:
     inputs = {"tool": "mmdebstrap", "suite": suite, "variant": variant, "include": sorted(include)}
-    path = cache / f"debian-{suite}-{variant}{'-' + '-'.join(sorted(include)) if include else ''}-{_key(inputs)}.tar"
+    return f"debian-{suite}-{variant}{'-' + '-'.join(sorted(include)) if include else ''}-{_key(inputs)}.tar"
 
-    def build(tmp: Path) -> Path:
-        out = tmp / "rootfs.tar"
+
+def check_debian_tar(path: Path, include: tuple[str, ...] = ()) -> None:
+    check_tar(path, DEBIAN_MEMBERS + tuple(INCLUDE_MEMBERS[p] for p in include if p in INCLUDE_MEMBERS))
+
+
+def debian_tar(cache: Path | None = None, *, include: tuple[str, ...] = (), suite: str = "bookworm",
+               variant: str = "minbase") -> Path:
+    """A Debian rootfs tar made by mmdebstrap (about 30 s the first time).
+
+    mmdebstrap failing (no mirror reachable) raises CalledProcessError with its stderr; output
+    that is not a complete tar with the expected files raises BuildError.
+    """
+    name = debian_tar_name(include=include, suite=suite, variant=variant)
+
+    def build(out: Path) -> None:
+        # out ends in .tar: mmdebstrap picks the format from the suffix (else it makes a directory)
         cmd = ["mmdebstrap", f"--variant={variant}", "--quiet", "--mode=root", "--format=tar"]
         if include:
             cmd.append("--include=" + ",".join(include))
         cmd += [suite, str(out)]
-        env = {**os.environ, "TMPDIR": str(tmp)}
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-        return out
+        env = {**os.environ, "TMPDIR": str(out.parent)}
+        p = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900)
+        if p.returncode != 0:
+            raise subprocess.CalledProcessError(p.returncode, cmd, stderr=p.stderr[-2000:])
 
-    return _locked_build(path, build)
+    return cached(name, build, lambda p: check_debian_tar(p, include), root=cache)
 
 
 def extracted(tar: Path) -> Path:
     """The tar extracted next to it (numeric owners, devices kept: needs root)."""
-    path = tar.with_suffix(".d")
 
-    def build(tmp: Path) -> Path:
-        out = tmp / "root"
+    def build(out: Path) -> None:
         out.mkdir()
         subprocess.run(["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-xpf", str(tar), "-C", str(out)],
                        check=True)
-        return out
 
-    return _locked_build(path, build)
+    return cached(tar.with_suffix(".d").name, build, lambda p: check_tree(p, ("etc/os-release",)), root=tar.parent)
 
 
 def busybox_tree(root: Path, applets: tuple[str, ...] = BUSYBOX_APPLETS) -> Path:
@@ -98,16 +92,15 @@ def busybox_tree(root: Path, applets: tuple[str, ...] = BUSYBOX_APPLETS) -> Path
     return root
 
 
-def source_tree(cache: Path = BENCH_CACHE, min_bytes: int = 200 << 20) -> Path:
+def source_tree(cache: Path | None = None, min_bytes: int = 200 << 20) -> Path:
     """A real source-like tree of at least ``min_bytes``: this Python's standard library (.py, .pyc, .so, tests)."""
     import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    inputs = {"kind": "python-stdlib", "path": str(stdlib), "version": os.uname().release + " " + str(stdlib.stat().st_mtime)}
-    path = cache / f"srctree-{_key(inputs)}"
+    inputs = {"kind": "python-stdlib", "path": str(stdlib), "version": os.uname().release + " " + str(stdlib.stat().st_mtime),
+              "min_bytes": min_bytes}
 
-    def build(tmp: Path) -> Path:
-        out = tmp / "tree"
+    def build(out: Path) -> None:
         subprocess.run(["cp", "-a", str(stdlib), str(out)], check=True)
         shutil.rmtree(out / "site-packages", ignore_errors=True)
         total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and not f.is_symlink())
@@ -118,6 +111,5 @@ def source_tree(cache: Path = BENCH_CACHE, min_bytes: int = 200 << 20) -> Path:
             subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
             total += sum(f.stat().st_size for f in dst.rglob("*") if f.is_file() and not f.is_symlink())
             n += 1
-        return out
 
-    return _locked_build(path, build)
+    return cached(f"srctree-{_key(inputs)}", build, lambda p: check_tree(p, ("os.py", "test")), root=cache)

@@ -20,7 +20,7 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from ._images import TEST_CACHE, _locked_build
+from weenv.testing import cached, check_executable
 
 SOURCE = r"""
 #define _GNU_SOURCE
@@ -104,19 +104,16 @@ int main(int argc, char **argv) {
 """
 
 
-def rollout_binary(cache: Path = TEST_CACHE) -> Path:
+def rollout_binary(cache: Path | None = None) -> Path:
     """The static ``rollout`` binary, built once with gcc and cached by its source."""
     key = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-    path = cache / f"rollout-{key}"
 
-    def build(tmp: Path) -> Path:
-        src = tmp / "rollout.c"
+    def build(out: Path) -> None:
+        src = out.parent / "rollout.c"
         src.write_text(SOURCE)
-        out = tmp / "rollout"
         subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(src)], check=True, capture_output=True)
-        return out
 
-    return _locked_build(path, build)
+    return cached(f"rollout-{key}", build, check_executable, root=cache)
 
 
 def parse_result(line: str) -> dict[str, float]:

@@ -27,8 +27,9 @@ import httpx
 from tests.fixtures_registry import start_registry, stop_registry
 from weenv import layerfmt
 from weenv.envlet import EnvletProcess, StoreSpec
+from weenv.testing import BadEntry, cache_root, cached, check_file
 
-from ._images import BENCH_CACHE, _locked_build, busybox_tree, debian_tar
+from ._images import busybox_tree, debian_tar
 from ._throttle import ThrottleProxy
 from ._util import Report, arg_parser, median
 
@@ -38,17 +39,23 @@ PROFILES_FULL = [("loopback", None, 0.0), ("100 MB/s + 1 ms", 100e6, 0.001), ("1
 PROFILES_QUICK = [("loopback", None, 0.0), ("100 MB/s + 1 ms", 100e6, 0.001)]
 
 
+def _check_layer(path: Path) -> None:
+    check_file(path)
+    try:
+        with layerfmt.FileReader.open(path) as reader:
+            layerfmt.Layer.open(reader)
+    except layerfmt.LayerError as e:
+        raise BadEntry(f"{path}: not a readable layer ({e})") from None
+
+
 def layer_file(tar: Path, prefetch: list[str] | None = None) -> Path:
     key = hashlib.sha256("\n".join(prefetch or []).encode()).hexdigest()[:12] if prefetch else "plain"
-    out = tar.with_suffix(f".weenv-v{layerfmt.FORMAT_VERSION}-{key}")
 
-    def build(tmp: Path) -> Path:
-        p = tmp / "layer"
-        with open(p, "wb") as f:
-            layerfmt.build_layer(str(tar), f, spool_dir=str(tmp), prefetch=prefetch or ())
-        return p
+    def build(out: Path) -> None:
+        with open(out, "wb") as f:
+            layerfmt.build_layer(str(tar), f, spool_dir=str(out.parent), prefetch=prefetch or ())
 
-    return _locked_build(out, build)
+    return cached(tar.with_suffix(f".weenv-v{layerfmt.FORMAT_VERSION}-{key}").name, build, _check_layer, root=tar.parent)
 
 
 def record_trace(tmp: Path, reg_host: str, g, cmd: list[str]) -> list[str]:
@@ -129,8 +136,8 @@ def full_start(tmp: Path, proxy: ThrottleProxy, g, cmd: list[str]) -> tuple[floa
 def main() -> None:
     args = arg_parser(__doc__ or "").parse_args()
     report = Report("envlet_lazy_start", "Cold start: lazy envlet vs full pull + extract", args.quick)
-    BENCH_CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=BENCH_CACHE) as t:
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as t:
         tmp = Path(t)
         if args.quick:
             root = busybox_tree(tmp / "bb")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from weenv import layerfmt
 from weenv.envlet import EnvletProcess, StoreSpec
+from weenv.testing import cache_root
 
-from ._images import BENCH_CACHE
 from ._util import Report, arg_parser, drop_caches, median
 
 
@@ -54,7 +54,7 @@ def main() -> None:
     size = (32 if args.quick else 256) << 20
     repeat = 2 if args.quick else 5
     report = Report("envlet_read", "Envlet read throughput", args.quick)
-    base = BENCH_CACHE if BENCH_CACHE.exists() else None
+    base = cache_root() if cache_root().exists() else None
     with tempfile.TemporaryDirectory(dir=base) as t:
         tmp = Path(t)
         src = tmp / "src"

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from weenv import layerfmt
 from weenv.layerfmt import SourceEntry, build_entries, build_layer
+from weenv.testing import cache_root
 
-from ._images import BENCH_CACHE, debian_tar, extracted, source_tree
+from ._images import debian_tar, extracted, source_tree
 from ._util import Report, arg_parser, median
 
 
@@ -100,7 +101,7 @@ def bench_open(report: Report, n_entries: int, repeat: int) -> None:
 def main() -> None:
     args = arg_parser(__doc__ or "").parse_args()
     report = Report("layer_build", "Layer build and open", args.quick)
-    with tempfile.TemporaryDirectory(dir=BENCH_CACHE if BENCH_CACHE.exists() else None) as t:
+    with tempfile.TemporaryDirectory(dir=cache_root() if cache_root().exists() else None) as t:
         tmp = Path(t)
         if args.quick:
             import sysconfig

@@ -23,8 +23,9 @@ import psutil
 
 from weenv import layerfmt
 from weenv.envlet import EnvletProcess, StoreSpec
+from weenv.testing import cache_root
 
-from ._images import BENCH_CACHE, busybox_tree, debian_tar
+from ._images import busybox_tree, debian_tar
 from ._util import Report, arg_parser, median
 
 PY = "python3 -c 'import json, asyncio, sqlite3, email.mime.text, http.client, unittest'"
@@ -60,8 +61,8 @@ def main() -> None:
     n = 4 if args.quick else args.envs
     rounds = 2 if args.quick else 5
     report = Report("layer_trees", "Hot layers as local trees vs served by the envlet", args.quick)
-    BENCH_CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=BENCH_CACHE) as t:
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as t:
         tmp = Path(t)
         if args.quick:
             src: str = str(busybox_tree(tmp / "bb"))

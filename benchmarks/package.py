@@ -33,9 +33,10 @@ from pathlib import Path
 import zstandard
 
 from tests.fixtures_registry import start_registry, stop_registry
+from weenv.testing import find
 
 from ._daemon import bench_daemon
-from ._images import BENCH_CACHE, debian_tar
+from ._images import check_debian_tar, debian_tar, debian_tar_name
 from ._util import Report, arg_parser, median
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega value result index count items "
@@ -65,8 +66,8 @@ def make_repo(path: Path, seed: int, n_files: int) -> None:
 
 def base_image() -> tuple[str, Path, str]:
     """(label, rootfs tar, setup command) of the shared base."""
-    cached = sorted(BENCH_CACHE.glob("debian-bookworm-minbase-python3-*.tar"))
-    if cached:  # only when already built: building it needs mmdebstrap and the network
+    name = debian_tar_name(include=("python3",))
+    if find(name, lambda p: check_debian_tar(p, ("python3",))):  # only when built: that needs mmdebstrap, network
         return "debian-minbase+python3", debian_tar(include=("python3",)), "python3 -m compileall -q pkg"
     tmp = Path(tempfile.mkdtemp(prefix="weenv-bench-bb-"))
     from ._images import busybox_tree

@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 import trio
@@ -22,9 +23,9 @@ import trio
 from tests.fixtures_runtime import USER_GID, USER_UID, start_env
 from weenv.provision._files import resolve_user
 from weenv.provision._ocispec import BindMount
+from weenv.testing import cached, check_executable
 
 MIB = 1 << 20
-CACHE_DIR = "/var/cache/weenv-test"
 
 PROBE_C = r"""
 #define _GNU_SOURCE
@@ -71,24 +72,19 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="session")
 def probe_binary() -> str:
-    """The probe, compiled statically once per source version (cached outside the repo)."""
+    """The probe, compiled statically once per source version (in the fixture cache)."""
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc with static libc (libc6-dev) to build the containment probe")
     digest = hashlib.sha256(PROBE_C.encode()).hexdigest()[:16]
-    out = os.path.join(CACHE_DIR, f"probe-{digest}")
-    if not os.path.exists(out):
-        os.makedirs(CACHE_DIR, exist_ok=True)
-        src = f"{out}.{os.getpid()}.c"
-        with open(src, "w") as f:
-            f.write(PROBE_C)
-        try:
-            r = subprocess.run(["gcc", "-static", "-O1", "-o", f"{out}.{os.getpid()}", src], capture_output=True, text=True)
-            if r.returncode != 0:
-                pytest.skip(f"cannot build a static probe here: {r.stderr[-500:]}")
-            os.rename(f"{out}.{os.getpid()}", out)
-        finally:
-            os.unlink(src)
-    return out
+
+    def build(out: Path) -> None:
+        src = out.parent / "probe.c"
+        src.write_text(PROBE_C)
+        r = subprocess.run(["gcc", "-static", "-O1", "-o", str(out), str(src)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot build a static probe here: {r.stderr[-500:]}")
+
+    return str(cached(f"probe-{digest}", build, check_executable))
 
 
 def run(fn, *args):

@@ -21,7 +21,7 @@ from . import _home
 BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "sleep", "mkdir", "rm", "cp", "mv", "true", "false", "env", "id",
                    "touch", "ps", "head", "tail", "wc", "grep", "sed", "test", "[", "expr", "printf", "hostname",
                    "uname", "find", "sort", "diff", "md5sum", "tr", "cut", "date", "basename", "dirname", "seq")
-DEBIAN_CACHES = ("/var/cache/weenv-test", "/var/cache/weenv-bench")
+DEBIAN_MEMBERS = ("etc/os-release", "etc/debian_version", "usr/bin/dpkg")  # as benchmarks/_images.py checks
 
 
 def _busybox_os(root: Path) -> str:
@@ -39,12 +39,18 @@ def _busybox_os(root: Path) -> str:
 
 
 def _os_source(work: Path) -> tuple[str, str]:
-    """A cached Debian minbase tar when one exists (made by the benchmarks/tests), else busybox."""
-    for cache in DEBIAN_CACHES:
-        if os.path.isdir(cache):
-            tars = sorted(p for p in Path(cache).glob("debian-bookworm-minbase-*.tar") if "python3" not in p.name)
-            if tars:
-                return str(tars[0]), "Debian bookworm minbase (cached mmdebstrap tar)"
+    """A cached Debian minbase tar when the fixture cache has a valid one (made by the tests or
+    benchmarks), else busybox."""
+    from .testing import BadEntry, cache_root, check_tar
+
+    for tar in sorted(cache_root().glob("debian-bookworm-minbase-*.tar")):
+        if "python3" in tar.name:
+            continue
+        try:
+            check_tar(tar, DEBIAN_MEMBERS)
+        except BadEntry:
+            continue  # half-built or damaged: the demo runs on busybox instead
+        return str(tar), "Debian bookworm minbase (cached mmdebstrap tar)"
     root = work / "os"
     _busybox_os(root)
     return str(root), "busybox (static)"
