@@ -396,6 +396,14 @@ def test_envlet_sigkill_then_restart_clears_the_stale_mount_and_restores_layers(
         os.listdir(info.path)
     assert ei.value.errno in (errno.ENOTCONN, errno.ENOENT, errno.EIO)
     assert e.mountpoint in mounts_under(e.mountpoint)  # stale, as a crash leaves it
+    # once the root's attributes have left the kernel's cache even stat answers ENOTCONN: the new
+    # envlet must clear the mount before it touches the path (makedirs used to raise FileExistsError)
+    from weenv.envlet._fs import ROOT_TIMEOUT_S
+
+    time.sleep(ROOT_TIMEOUT_S + 0.5)
+    with pytest.raises(OSError) as ei:
+        os.stat(e.mountpoint)
+    assert ei.value.errno == errno.ENOTCONN
     e.start()
     assert mounts_under(e.mountpoint) == [e.mountpoint]
     assert [i.name for i in e.client.list()] == [info.name]

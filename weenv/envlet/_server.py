@@ -502,9 +502,11 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
     _raise_nofile()  # the disk cache keeps one descriptor per pack (16 or more)
+    # The stale mount goes first: on a mount whose envlet died, stat answers ENOTCONN, so makedirs
+    # (which stats an existing path) would raise FileExistsError and the envlet would never come back.
+    clear_stale_mount(mountpoint)
     os.makedirs(mountpoint, exist_ok=True)
     os.makedirs(cache_dir, exist_ok=True)
-    clear_stale_mount(mountpoint)
     envlet = Envlet(mountpoint, cache_dir, cache_size_bytes=cache_size_bytes,
                     memory_cache_size_bytes=memory_cache_size_bytes, control_socket=control_socket,
                     state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes,
