@@ -190,12 +190,14 @@ def start_daemon(socket_path: str, timeout_s: float = 30.0) -> None:
 
 
 class Env:
-    """A running env (synchronous). Use it as a context manager to kill it on exit."""
+    """A running env (synchronous). Use it as a context manager to kill it on exit, together with
+    the envs it forked (but those forked with ``keep=True``)."""
 
     def __init__(self, client: "Client", info: dict[str, Any]):
         self.client = client
         self.info = info
         self.id: str = info["id"]
+        self.forks: list[Env] = []  # children of fork(keep=False): they go when this env's `with` ends
 
     def __repr__(self) -> str:
         return f"<weenv.Env {self.id}>"
@@ -259,22 +261,41 @@ class Env:
         """Seal the env's filesystem into a snapshot; returns its id."""
         return self.client._request("POST", f"/v1/envs/{self.id}/commit", json={"ref": ref}).json()["snapshot"]
 
-    def fork(self, n: int) -> list["Env"]:
-        """Commit once and start ``n`` independent children from that state."""
+    def fork(self, n: int, *, keep: bool = False) -> list["Env"]:
+        """Commit once and start ``n`` independent children from that state.
+
+        The children are killed when this env's ``with`` block ends, unless ``keep``; the snapshot
+        the fork made is collected by ``gc`` once no env started from it is left."""
         data = self.client._request("POST", f"/v1/envs/{self.id}/fork", json={"n": n}).json()
-        return [Env(self.client, info) for info in data["envs"]]
+        children = [Env(self.client, info) for info in data["envs"]]
+        if not keep:
+            self.forks.extend(children)
+        return children
 
     def kill(self) -> None:
+        """Kill this env (its forks live on: they are independent envs)."""
         try:
             self.client._request("DELETE", f"/v1/envs/{self.id}")
         except EnvNotFoundError:
             pass
 
+    def _kill_with_forks(self) -> None:
+        forks, self.forks = self.forks, []
+        errors: list[WeenvError] = []
+        for child in forks:
+            try:
+                child._kill_with_forks()
+            except WeenvError as e:  # the others still go
+                errors.append(e)
+        self.kill()
+        if errors:
+            raise errors[0]
+
     def __enter__(self) -> "Env":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.kill()
+        self._kill_with_forks()
 
 
 class Client:
@@ -361,12 +382,14 @@ class Client:
 
 
 class AsyncEnv:
-    """A running env (async: asyncio or trio). ``async with`` kills it on exit."""
+    """A running env (async: asyncio or trio). ``async with`` kills it on exit, together with the
+    envs it forked (but those forked with ``keep=True``)."""
 
     def __init__(self, client: "AsyncClient", info: dict[str, Any]):
         self.client = client
         self.info = info
         self.id: str = info["id"]
+        self.forks: list[AsyncEnv] = []  # children of fork(keep=False): they go when `async with` ends
 
     def __repr__(self) -> str:
         return f"<weenv.AsyncEnv {self.id}>"
@@ -423,21 +446,73 @@ class AsyncEnv:
     async def commit(self, *, ref: str | None = None) -> str:
         return (await self.client._request("POST", f"/v1/envs/{self.id}/commit", json={"ref": ref})).json()["snapshot"]
 
-    async def fork(self, n: int) -> list["AsyncEnv"]:
+    async def fork(self, n: int, *, keep: bool = False) -> list["AsyncEnv"]:
+        """As :meth:`Env.fork`: the children go when this env's ``async with`` ends, unless ``keep``."""
         data = (await self.client._request("POST", f"/v1/envs/{self.id}/fork", json={"n": n})).json()
-        return [AsyncEnv(self.client, info) for info in data["envs"]]
+        children = [AsyncEnv(self.client, info) for info in data["envs"]]
+        if not keep:
+            self.forks.extend(children)
+        return children
 
     async def kill(self) -> None:
+        """Kill this env (its forks live on: they are independent envs)."""
         try:
             await self.client._request("DELETE", f"/v1/envs/{self.id}")
         except EnvNotFoundError:
             pass
 
+    async def _kill_with_forks(self) -> None:
+        import anyio  # httpx's own async layer: task groups under asyncio and trio alike
+
+        forks, self.forks = self.forks, []
+        errors: list[WeenvError] = []
+
+        async def kill(child: AsyncEnv) -> None:
+            try:
+                await child._kill_with_forks()
+            except WeenvError as e:  # the others still go
+                errors.append(e)
+
+        async with anyio.create_task_group() as tg:
+            for child in forks:
+                tg.start_soon(kill, child)
+        await self.kill()
+        if errors:
+            raise errors[0]
+
     async def __aenter__(self) -> "AsyncEnv":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.kill()
+        with _shielded():
+            await self._kill_with_forks()
+
+
+def _shielded() -> Any:
+    """A cancel scope that lets cleanup finish when the task is being cancelled (asyncio or trio)."""
+    import anyio
+
+    return anyio.CancelScope(shield=True)
+
+
+class _EnvStart:
+    """What :meth:`AsyncClient.create` returns: ``await`` it for the :class:`AsyncEnv`, or use it
+    as ``async with client.create(...) as env:`` to kill the env (and its forks) on exit."""
+
+    def __init__(self, coro: Any):
+        self._coro = coro
+        self._env: AsyncEnv | None = None
+
+    def __await__(self) -> Any:
+        return self._coro.__await__()
+
+    async def __aenter__(self) -> AsyncEnv:
+        self._env = await self._coro
+        return self._env
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._env is not None:
+            await self._env.__aexit__(*exc)
 
 
 class AsyncClient:
@@ -475,10 +550,18 @@ class AsyncClient:
     async def ping(self) -> dict[str, Any]:
         return (await self._request("GET", "/v1/ping")).json()
 
-    async def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
-                     cpu: str | float | None = None, memory: str | int | None = None,
-                     env: dict[str, str] | None = None, workdir: str | None = None, user: str | None = None,
-                     network: str | None = None) -> AsyncEnv:
+    def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
+               cpu: str | float | None = None, memory: str | int | None = None,
+               env: dict[str, str] | None = None, workdir: str | None = None, user: str | None = None,
+               network: str | None = None) -> _EnvStart:
+        """Start an env: ``env = await client.create(...)``, or ``async with client.create(...) as env:``
+        to kill it on exit. Arguments as :meth:`Client.create`."""
+        return _EnvStart(self._create(plan_or_lock, name=name, ttl_s=ttl_s, cpu=cpu, memory=memory, env=env,
+                                      workdir=workdir, user=user, network=network))
+
+    async def _create(self, plan_or_lock: Any, *, name: str | None, ttl_s: float | None, cpu: str | float | None,
+                      memory: str | int | None, env: dict[str, str] | None, workdir: str | None,
+                      user: str | None, network: str | None) -> AsyncEnv:
         body = _plan_body(plan_or_lock, dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
                                              memory=None if memory is None else str(memory), env=env, workdir=workdir,
                                              user=user, network=network))

@@ -19,6 +19,7 @@ from . import _plan  # noqa: E402,F401
 from . import _registry  # noqa: E402,F401
 from . import _envlet  # noqa: E402,F401
 from . import _env  # noqa: E402,F401
+from . import _daemonctl  # noqa: E402,F401
 from . import _top  # noqa: E402,F401
 from . import _package  # noqa: E402,F401
 from . import _demo  # noqa: E402,F401

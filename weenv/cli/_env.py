@@ -36,7 +36,7 @@ def _api_errors(fn):  # type: ignore[no-untyped-def]
 from ._common import SIZE  # noqa: E402  (daemon flags)
 
 
-@main.command("daemon")
+@main.group("daemon", invoke_without_command=True)
 @click.option("--envlet-cache-size", default="20GiB", show_default=True, help="Bound of the node disk chunk cache.")
 @click.option("--cgroup-root", default="weenv", show_default=True,
               help="Name of weenv's parent cgroup (created under this process's own cgroup).")
@@ -74,12 +74,23 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
               help="Disk the layer directories may take (least recently used unstacked ones go first) "
                    "[default: 16GiB, or $WEENV_LAYER_TREES_SIZE].")
 @click.option("--debug", is_flag=True)
-def daemon_cmd(envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
+@click.pass_context
+def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
                hold_s: float, cpu_throttle_up: float, cpu_low: float, memory_high_water: float,
                memory_low_water: float, memory_pressure_up: float, memory_headroom: int, node_reserve: int,
                cpu_burst_budget: float | None, cpu_min_overcommit: float, memory_burst_reservation: bool,
                layer_trees_after: int | None, layer_trees_size: int | None, debug: bool) -> None:
-    """Run the node daemon in the foreground (the CLI starts it when needed)."""
+    """Run the node daemon in the foreground (the CLI starts it when needed).
+
+    `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
+    """
+    if ctx.invoked_subcommand is not None:
+        given = [p.opts[0] for p in ctx.command.params
+                 if ctx.get_parameter_source(p.name) is not click.core.ParameterSource.DEFAULT]  # type: ignore[arg-type]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} configure a running daemon, not "
+                                   f"`weenv daemon {ctx.invoked_subcommand}`")
+        return
     from ..provision import DaemonConfig, serve
     from ..provision._policy import PolicyConfig
     from ._common import parse_size

@@ -148,6 +148,8 @@ class Daemon:
             self.manager.enable_layer_trees(after=c.layer_trees_after, budget_bytes=c.layer_trees_size_bytes)
         self.started_s = time.time()
         self._nursery: trio.Nursery | None = None
+        self._stop = trio.Event()  # set by SIGTERM/SIGINT or POST /v1/daemon/stop
+        self._stop_kill_envs = False
         self.router = Router()
         self._routes()
 
@@ -206,12 +208,77 @@ class Daemon:
             await nursery.start(server.serve_unix, self.socket_path)
             log.info("weenv daemon %s serving %s (re-adopted %d envs)", __version__, self.socket_path,
                      len(adoption["adopted"]))
+            nursery.start_soon(self._signals)
             task_status.started()
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    log.info("signal received: stopping (envs keep running)")
-                    nursery.cancel_scope.cancel()
-                    break
+            await self._stop.wait()
+            await self._stop_envs()
+            nursery.cancel_scope.cancel()
+        # Background work is over (no envlet restart, no pool refill): the envlet goes too, unless
+        # envs kept running stack its layers (then it serves them until `daemon stop --kill-envs`).
+        live = [rec.id for rec in self.manager.envs.values() if rec.status in ("creating", "running", "paused")]
+        if live:
+            log.info("stopped; %d envs keep running, and the envlet keeps serving their layers", len(live))
+        else:
+            await trio.to_thread.run_sync(self._stop_envlet)
+            log.info("stopped (the envlet too)")
+
+    def request_stop(self, *, kill_envs: bool = False) -> None:
+        """Stop the daemon: pooled envs are killed, the others too with ``kill_envs``; then the envlet
+        stops if no env is left running on it."""
+        self._stop_kill_envs = self._stop_kill_envs or kill_envs
+        self._stop.set()
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:  # a second signal while stopping changes nothing
+                log.info("%s received: stopping (envs keep running)", signal.Signals(signum).name)
+                self.request_stop()
+
+    async def _stop_envs(self) -> None:
+        m = self.manager
+        try:
+            await m.drain_pools()
+        except Exception as e:
+            log.warning("stop: draining the warm pools failed: %s", e)
+        if not self._stop_kill_envs:
+            return
+        ids = [env_id for env_id, rec in m.envs.items() if rec.status != "failed"]
+        log.info("stop: killing %d envs", len(ids))
+
+        async def kill(env_id: str) -> None:
+            try:
+                await m.kill(env_id)
+            except Exception as e:  # the others still go; gc after a restart finishes this one
+                log.warning("stop: env %s: %s", env_id, e)
+
+        async with trio.open_nursery() as nursery:
+            for env_id in ids:
+                nursery.start_soon(kill, env_id)
+
+    def _stop_envlet(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the envlet (it unmounts), wait for it; SIGKILL and a lazy unmount past the timeout."""
+        from ..envlet._control import _alive
+        from ..envlet._server import clear_stale_mount
+
+        try:
+            info = self.envlet.ping()
+        except EnvletError:
+            return
+        pid, mountpoint = int(info["pid"]), info.get("mountpoint") or ""
+        try:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _alive(pid):
+                log.warning("the envlet (pid %d) did not stop within %g s: killing it", pid, timeout_s)
+                os.kill(pid, signal.SIGKILL)
+                while _alive(pid) and time.monotonic() < deadline + 5:
+                    time.sleep(0.02)
+        except ProcessLookupError:
+            pass
+        if mountpoint:
+            clear_stale_mount(mountpoint)
 
     # ------------------------------------------------------------------ API
 
@@ -231,6 +298,14 @@ class Daemon:
         async def ping(req: Request) -> Response:
             return json_response({"pid": os.getpid(), "version": __version__, "envs": len(m.envs),
                                   "uptime_s": time.time() - self.started_s})
+
+        @r.route("POST", "/v1/daemon/stop")
+        async def stop(req: Request) -> Response:
+            kill_envs = req.json().get("kill_envs", False)
+            if not isinstance(kill_envs, bool):
+                raise HTTPError(400, "bad_request", f"'kill_envs' must be true or false, got {kill_envs!r}")
+            self.request_stop(kill_envs=kill_envs)
+            return json_response({"pid": os.getpid(), "stopping": True, "kill_envs": kill_envs}, 202)
 
         @r.route("POST", "/v1/envs")
         async def create(req: Request) -> Response:

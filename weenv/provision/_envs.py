@@ -41,7 +41,7 @@ from ._monitor import Monitor
 from ._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
 from ._runtime import ExecResult, Runtime, prepare_bundle
-from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, new_snapshot_id
+from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
 from ._trees import LayerTrees
 from .cgroups import Cgroup, CgroupBackend
@@ -101,7 +101,7 @@ class _Stopwatch:
 
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
-        self.into[name] = round((now - self.last) * 1000, 3)
+        self.into[name] = round((now - self.last) * 1000, 1)
         self.last = now
 
 
@@ -133,6 +133,7 @@ class EnvManager:
         self.trees_dir = os.path.join(os.path.dirname(envs_dir), "snapshot-trees")
         self.layer_trees: LayerTrees | None = None  # hot group layers as directories (enable_layer_trees)
         self._trees_in_progress: set[str] = set()
+        self._forking: set[str] = set()  # fork snapshots whose children are being started (gc keeps them)
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
         os.makedirs(self.trees_dir, mode=0o700, exist_ok=True)
 
@@ -185,7 +186,7 @@ class EnvManager:
             taken = self._take_pooled(key)
             self._refill_later(key, lock)
             if taken is not None:
-                taken.timings_ms = {"pool": round((time.perf_counter() - t0) * 1000, 3)}
+                taken.timings_ms = {"pool": round((time.perf_counter() - t0) * 1000, 1)}
                 if lock.ttl_s:
                     taken.expires_s = time.time() + lock.ttl_s
                 self._save(taken)
@@ -211,7 +212,7 @@ class EnvManager:
         if pooled:
             self.pool_starting.add(rec.id)
         self.envs[rec.id] = rec
-        rec.timings_ms["lock"] = (time.perf_counter() - t0) * 1000
+        rec.timings_ms["lock"] = round((time.perf_counter() - t0) * 1000, 1)
         async with self._lock(rec.id):
             self._save(rec)
             try:
@@ -691,6 +692,8 @@ class EnvManager:
         if not 1 <= n <= 1024:
             raise EnvStateError(f"fork needs 1 <= n <= 1024, got {n}", env_id=env_id)
         snap = await self.commit(env_id)
+        snap.fork = True  # nobody asked for this snapshot: gc collects it when its children are gone
+        self.snapshots.save(snap)
         children: list[EnvRecord] = []
         errors: list[BaseException] = []
 
@@ -700,9 +703,13 @@ class EnvManager:
             except Exception as e:  # collected: the others keep going, then all are undone
                 errors.append(e)
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(n):
-                nursery.start_soon(one)
+        self._forking.add(snap.id)
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(n):
+                    nursery.start_soon(one)
+        finally:
+            self._forking.discard(snap.id)
         if errors:
             with trio.CancelScope(shield=True):
                 async with trio.open_nursery() as nursery:
@@ -816,10 +823,25 @@ class EnvManager:
                     lambda: shutil.rmtree(os.path.join(self.envs_dir, env_id), ignore_errors=True))
                 out["dirs"].append(env_id)
         out["layers"] = await self._gc_layers()
+        out["snapshots"] = self._gc_fork_snapshots()
         used = {self.tree_path(layer.digest) for snap in self.snapshots.list() for layer in snap.layers}
         used |= {self.tree_path(x["digest"]) for env in self.envs.values() for x in env.snapshot_layers}
         out["trees"] = await trio.to_thread.run_sync(self._gc_trees, used | self._trees_in_progress)
         return out
+
+    def _gc_fork_snapshots(self) -> list[str]:
+        """Delete the snapshots made by fork that no env started from any more (commit and build
+        snapshots stay until deleted); their ids."""
+        wanted = {rec.snapshot for rec in self.envs.values()} | self._forking
+        removed = []
+        for snap in self.snapshots.list():
+            if snap.fork and snap.id not in wanted:
+                try:
+                    self.delete_snapshot(snap.id)
+                except SnapshotNotFoundError:
+                    continue  # deleted meanwhile
+                removed.append(snap.id)
+        return removed
 
     def _gc_trees(self, keep: set[str]) -> list[str]:
         """Remove the snapshot trees not in ``keep`` (a snapshot deleted while its envs ran, a commit

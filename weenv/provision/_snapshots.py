@@ -38,12 +38,13 @@ class SnapshotRecord(msgspec.Struct, kw_only=True):
     build_key: str | None = None  # set for snapshots made by `weenv build` steps
     diff_bytes: int = 0  # uncompressed content of the newest layer
     cpu_quota_cores: float | None = None  # the source env's CPU quota when committed: envs start there
+    fork: bool = False  # made by fork (not commit or build): gc collects it once no env started from it is left
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "source_env": self.source_env, "created_s": self.created_s,
                 "layers": [msgspec.to_builtins(layer) for layer in self.layers], "ref": self.ref,
                 "plan": self.lock.get("name"), "build_key": self.build_key, "diff_bytes": self.diff_bytes,
-                "cpu_quota_cores": self.cpu_quota_cores}
+                "cpu_quota_cores": self.cpu_quota_cores, "fork": self.fork}
 
 
 def new_snapshot_id() -> str:
