@@ -108,6 +108,54 @@ def test_disk_cache_bound_eviction_restart_and_corruption(tmp_path):
     assert c4.size_bytes == 0 and c4.files == 0 and chunks >= 1 and freed >= 3000
 
 
+def _forge_l2_record(cache: DiskCache, digest: bytes, data: bytes) -> bytes:
+    """Flip bytes of a stored chunk and rewrite the record's crc32 to match, as a forger would."""
+    import struct
+    import zlib
+
+    path, offset, length = cache.locate(digest)
+    forged = bytes([data[0] ^ 0xFF]) + data[1:]
+    with open(path, "r+b") as fh:
+        fh.seek(offset - 48)
+        magic, key, n, _crc = struct.unpack("<4s32sQI", fh.read(48))
+        assert key == digest and n == length
+        fh.seek(offset - 48)
+        fh.write(struct.pack("<4s32sQI", magic, key, n, zlib.crc32(forged)) + forged)
+    return forged
+
+
+def test_an_l2_record_with_flipped_bytes_and_a_recomputed_crc32_is_dropped_not_served(tmp_path):
+    m = Metrics()
+    c = DiskCache(str(tmp_path / "l2"), 1 << 20, m)
+    data = os.urandom(5000)
+    key = hashlib.sha256(data).digest()
+    c.put(key, data)
+    _forge_l2_record(c, key, data)
+    assert c.get(key, 5000) is None and key not in c and m.counters["l2_corrupt"] == 1
+    # a restart indexes the forged record again (headers only); the read still refuses it
+    c2 = DiskCache(str(tmp_path / "l2"), 1 << 20, Metrics())
+    assert key in c2 and c2.get(key, 5000) is None and key not in c2
+
+
+def test_the_fetcher_refetches_a_chunk_whose_l2_record_was_forged(tmp_path):
+    content = os.urandom(50_000)
+    blob, lay = built(f("a", content))
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob)
+    chunk = lay.entry("a").chunks[0]
+
+    async def main():
+        assert await fetcher.get(src, [chunk], "a") == [content]
+        _forge_l2_record(fetcher.l2, chunk.digest, content)
+        fetcher.l1.clear()
+        assert await fetcher.get(src, [chunk], "a") == [content]  # the store's bytes, not the forged ones
+        assert len(reader.reads) == 2 and m.counters["l2_corrupt"] == 1
+        fetcher.l1.clear()
+        assert await fetcher.get(src, [chunk], "a") == [content]  # stored again, served from L2
+        assert len(reader.reads) == 2 and m.counters["l2_hits"] == 1
+
+    trio.run(main)
+
+
 def test_disk_cache_packs_chunks_together_and_evicts_the_least_recently_used_pack(tmp_path):
     m = Metrics()
     c = DiskCache(str(tmp_path / "l2"), 160_000, m)  # packs of 10 000 bytes: 4 chunks of 2 000 each

@@ -336,6 +336,28 @@ def test_a_valid_frame_with_other_content_is_rejected_by_its_sha256(tmp_path):
         Layer.open(BytesReader(bytes(swapped))).read("a")
 
 
+def test_verify_chunk_is_the_explicit_check_apart_from_decompression(tmp_path):
+    src = make_tree(tmp_path / "src", f("a", b"A" * 3000))
+    blob, _ = build_bytes(src)
+    c = Layer.open(BytesReader(blob)).entry("a").chunks[0]
+    frame_bytes = blob[c.offset : c.offset + c.length]
+    data = layerfmt.decompress_chunk(c, frame_bytes)
+    assert data == b"A" * 3000
+    layerfmt.verify_chunk(data, c.digest)  # passes silently
+    layerfmt.verify_chunk(memoryview(data), c.digest)
+    forged = b"B" + data[1:]
+    with pytest.raises(IntegrityError, match="sha256 mismatch.*path 'a'"):
+        layerfmt.verify_chunk(forged, c.digest, path="a", offset=c.offset)
+    # decompression alone does not verify: a valid frame of other bytes decompresses fine
+    other = zstandard.ZstdCompressor().compress(forged)
+    lie = Chunk(c.offset, len(other), 0, len(forged), c.digest)
+    assert layerfmt.decompress_chunk(lie, other) == forged
+    with pytest.raises(IntegrityError, match="sha256"):
+        layerfmt.decode_chunk(lie, other)
+    with pytest.raises(ValueError, match="32 bytes"):
+        layerfmt.verify_chunk(data, c.digest.hex().encode())
+
+
 @pytest.mark.parametrize("cut", [1, FOOTER_SIZE - 1, FOOTER_SIZE + 10, 1000])
 def test_truncated_blob_is_rejected(tmp_path, cut):
     src = make_tree(tmp_path / "src", f("a", os.urandom(5000)))

@@ -4,7 +4,8 @@ Rules this module keeps:
 - one fetch in flight per chunk: a second reader of a chunk being fetched waits for that fetch
   (with the same deadline) instead of fetching again;
 - adjacent missing chunks of one read, plus read-ahead within the file, go out as one range read;
-- every chunk is verified (frame size, length, sha256) before it is cached or served;
+- every chunk is verified (frame size, length, sha256) before it is cached or served, whether it
+  comes from the store or from L2 (:func:`weenv.layerfmt.verify_chunk`);
 - decompression, hashing and disk I/O run in worker threads, never on the trio loop;
 - a failing store becomes :class:`FetchError` within ``deadline_s``, never a hang;
 - background prefetch yields to foreground reads.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..layerfmt import Chunk, LayerError, RandomAccessReader, decode_chunk
+from ..layerfmt import Chunk, LayerError, RandomAccessReader, decompress_chunk, verify_chunk
 from ._cache import DiskCache, MemoryCache
 from ._errors import ChunkIntegrityError, FetchError
 from ._metrics import Metrics
@@ -238,7 +239,9 @@ class Fetcher:
             out: list[bytes | BaseException] = []
             for c in run:
                 try:
-                    out.append(decode_chunk(c, blob[c.offset - start : c.offset - start + c.length], path=path))
+                    data = decompress_chunk(c, blob[c.offset - start : c.offset - start + c.length], path=path)
+                    verify_chunk(data, c.digest, path=path, offset=c.offset)  # store bytes are outside bytes
+                    out.append(data)
                 except LayerError as e:
                     out.append(e)
             return out

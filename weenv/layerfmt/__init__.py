@@ -21,8 +21,10 @@ from ._io import RandomAccessReader as RandomAccessReader
 from ._reader import DEFAULT_TAIL_READ as DEFAULT_TAIL_READ
 from ._reader import Layer as Layer
 from ._reader import decode_chunk as decode_chunk
+from ._reader import decompress_chunk as decompress_chunk
 from ._reader import normalize_lookup as normalize_lookup
 from ._reader import read_tail as read_tail
+from ._reader import verify_chunk as verify_chunk
 from ._source import SourceEntry as SourceEntry
 from ._source import scan_directory as scan_directory
 from ._source import scan_tar as scan_tar

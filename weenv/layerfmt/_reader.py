@@ -52,15 +52,34 @@ def _decompress_exact(data: bytes, ulength: int, what: str, offset: int, path: s
     return out
 
 
-def decode_chunk(chunk: Chunk, frame: bytes, *, path: str | None = None) -> bytes:
-    """Decompress one chunk's frame and verify its sha256; corrupted bytes are never returned."""
+def verify_chunk(data: bytes | bytearray | memoryview, expected_sha256: bytes, *, path: str | None = None,
+                 offset: int | None = None) -> None:
+    """Raise :class:`IntegrityError` unless ``data`` (decompressed chunk bytes) hashes to ``expected_sha256``.
+
+    The one check every consumer runs on chunk bytes that come from outside the process (a store,
+    a node disk cache, a peer) before it uses them; ``path`` and ``offset`` only name the chunk
+    in the error.
+    """
+    if len(expected_sha256) != 32:
+        raise ValueError(f"expected_sha256 must be 32 bytes (a raw sha256 digest), got {len(expected_sha256)}")
+    if hashlib.sha256(data).digest() != expected_sha256:
+        raise IntegrityError(f"chunk sha256 mismatch ({len(data)} bytes, expected {expected_sha256.hex()[:16]}…)",
+                             path=path, offset=offset)
+
+
+def decompress_chunk(chunk: Chunk, frame: bytes, *, path: str | None = None) -> bytes:
+    """Decompress one chunk's frame to exactly ``chunk.ulength`` bytes, *without* verifying them."""
     if len(frame) != chunk.length:
         raise IntegrityError(
             f"chunk frame has {len(frame)} bytes, TOC says {chunk.length}", path=path, offset=chunk.offset
         )
-    data = _decompress_exact(frame, chunk.ulength, "chunk", chunk.offset, path)
-    if sha256(data) != chunk.digest:
-        raise IntegrityError("chunk sha256 mismatch", path=path, offset=chunk.offset)
+    return _decompress_exact(frame, chunk.ulength, "chunk", chunk.offset, path)
+
+
+def decode_chunk(chunk: Chunk, frame: bytes, *, path: str | None = None) -> bytes:
+    """Decompress one chunk's frame and verify its sha256; corrupted bytes are never returned."""
+    data = decompress_chunk(chunk, frame, path=path)
+    verify_chunk(data, chunk.digest, path=path, offset=chunk.offset)
     return data
 
 
