@@ -55,7 +55,8 @@ def layer_file(tar: Path, prefetch: list[str] | None = None) -> Path:
         with open(out, "wb") as f:
             layerfmt.build_layer(str(tar), f, spool_dir=str(out.parent), prefetch=prefetch or ())
 
-    return cached(tar.with_suffix(f".weenv-v{layerfmt.FORMAT_VERSION}-{key}").name, build, _check_layer, root=tar.parent)
+    name = tar.with_suffix(f".weenv-v{layerfmt.FORMAT_VERSION}-{key}").name
+    return cached(name, build, _check_layer, root=tar.parent)
 
 
 def record_trace(tmp: Path, reg_host: str, g, cmd: list[str]) -> list[str]:

@@ -133,7 +133,7 @@ def test_cache_root_comes_from_the_environment(tmp_path, monkeypatch) -> None:
     assert cache_root() == tmp_path
     assert cached("x.tar", Builder(), lambda p: check_tar(p, MEMBERS)) == tmp_path / "x.tar"
     monkeypatch.setenv("WEENV_FIXTURE_CACHE", "relative/dir")
-    with pytest.raises(FixtureCacheError, match="WEENV_FIXTURE_CACHE must be an absolute directory path, got 'relative/dir'"):
+    with pytest.raises(FixtureCacheError, match="WEENV_FIXTURE_CACHE must be an absolute .*, got 'relative/dir'"):
         cache_root()
     monkeypatch.delenv("WEENV_FIXTURE_CACHE")
     assert cache_root() == Path("/var/cache/weenv-fixtures")
@@ -218,3 +218,18 @@ def test_mmdebstrap_tar_fails_rather_than_caching_a_directory(tmp_path, monkeypa
     with pytest.raises(BuildError, match="is a directory, not a tar file"):
         _mmdebstrap_tar()
     assert not list((tmp_path / "cache").glob("*.tar"))
+
+
+def test_demo_uses_a_cached_debian_tar_only_when_it_is_valid(tmp_path, monkeypatch) -> None:
+    from weenv._demo import _os_source
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("WEENV_FIXTURE_CACHE", str(cache))
+    (cache / "debian-bookworm-minbase-0000.tar" / "etc").mkdir(parents=True)  # the old bug's leftover
+    write_tar(cache / "debian-bookworm-minbase-python3-1111.tar", {**GOOD, "etc/debian_version": b"12\n",
+                                                                   "usr/bin/dpkg": b"d"})
+    src, label = _os_source(tmp_path / "w1")
+    assert label == "busybox (static)" and src == str(tmp_path / "w1" / "os")
+    good = cache / "debian-bookworm-minbase-2222.tar"
+    write_tar(good, {**GOOD, "etc/debian_version": b"12\n", "usr/bin/dpkg": b"d"})
+    assert _os_source(tmp_path / "w2") == (str(good), "Debian bookworm minbase (cached mmdebstrap tar)")
