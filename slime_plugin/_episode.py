@@ -57,9 +57,16 @@ def append_tokens(sample: Any, args: Any, *, tokens: list[int], log_probs: list[
         list(log_probs) if trainable and log_probs is not None else [0.0] * len(tokens))
 
 
+#: What an earlier attempt leaves in ``sample.metadata``: the plugin's record and abort reason, and
+#: the rollout slime's partial-rollout abort noted the dropped response started in.
+_ATTEMPT_METADATA = (RUN_KEY, "abort_reason", "start_rollout_id")
+
+
 def reset_response(sample: Any) -> None:
     """Drop an earlier attempt's response (partial rollout hands ABORTED samples back; their env
-    is gone, so the episode restarts from the prompt)."""
+    is gone, so the episode restarts from the prompt), with everything slime accumulated over it:
+    ``weight_versions`` and the ``prefix_cache_info`` / ``spec_info`` counters, which
+    ``append_response_tokens`` adds to on every turn."""
     if sample.response_length:
         keep = len(sample.tokens) - sample.response_length
         sample.tokens = list(sample.tokens[:max(keep, 0)])
@@ -70,11 +77,17 @@ def reset_response(sample: Any) -> None:
     for name in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_routed_experts"):
         if hasattr(sample, name):
             setattr(sample, name, None)
+    if hasattr(sample, "weight_versions"):
+        sample.weight_versions = []
+    for name in ("prefix_cache_info", "spec_info"):  # slime's Sample.PrefixCacheInfo / Sample.SpecInfo
+        counters = getattr(sample, name, None)
+        if counters is not None:
+            setattr(sample, name, type(counters)())
     sample.reward = None
     sample.remove_sample = False
     sample.status = type(sample).Status.PENDING
-    if isinstance(sample.metadata, dict) and (RUN_KEY in sample.metadata or "abort_reason" in sample.metadata):
-        sample.metadata = {k: v for k, v in sample.metadata.items() if k not in (RUN_KEY, "abort_reason")}
+    if isinstance(sample.metadata, dict) and any(k in sample.metadata for k in _ATTEMPT_METADATA):
+        sample.metadata = {k: v for k, v in sample.metadata.items() if k not in _ATTEMPT_METADATA}
 
 
 def reward_value(args: Any, value: float, detail: dict | None = None) -> float | dict:
@@ -89,21 +102,40 @@ def reward_value(args: Any, value: float, detail: dict | None = None) -> float |
 
 def mark_aborted(sample: Any, args: Any, reason: str) -> None:
     """ABORTED, reward 0, ``remove_sample``; the response keeps at least one (masked) token so
-    slime's training-side shape checks hold."""
+    slime's training-side shape checks hold (top-p replay spans included, see
+    :func:`_align_top_p_spans`)."""
     sample.status = type(sample).Status.ABORTED
     sample.reward = reward_value(args, 0.0)
     sample.remove_sample = True
     if sample.response_length == 0:
         sample.tokens = list(sample.tokens) + [sample.tokens[-1] if sample.tokens else 0]
         sample.response_length = 1
-        offsets = getattr(sample, "rollout_top_p_token_offsets", None)
-        if isinstance(offsets, list) and offsets:
-            sample.rollout_top_p_token_offsets = offsets + [offsets[-1]]
     sample.loss_mask = [0] * sample.response_length
     log_probs = list(sample.rollout_log_probs or [])
     sample.rollout_log_probs = (log_probs + [0.0] * sample.response_length)[:sample.response_length]
+    _align_top_p_spans(sample, args)
     metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
     sample.metadata = {**metadata, "abort_reason": reason}
+
+
+def _align_top_p_spans(sample: Any, args: Any) -> None:
+    """With top-p replay on (``args.rollout_top_p != 1``), slime's ``_convert_samples_to_train_data``
+    asserts on every sample, removed ones too: ``rollout_top_p_token_ids`` and ``..._offsets`` set,
+    ``len(offsets) == response_length + 1``, ``offsets[-1] == len(ids)``. Spans that do not cover an
+    aborted sample's response (none were made, or the last turn came without them) become empty
+    ones, as slime gives tool tokens; the sample's loss is masked, so only their shape matters."""
+    if not hasattr(sample, "rollout_top_p_token_offsets"):
+        return
+    ids, offsets = sample.rollout_top_p_token_ids, sample.rollout_top_p_token_offsets
+    replay = getattr(args, "rollout_top_p", 1.0) not in (None, 1.0)
+    if ids is None and offsets is None and not replay:
+        return
+    n = sample.response_length
+    if ids is not None and offsets is not None and len(offsets) == n + 1 and int(offsets[0]) == 0 \
+            and int(offsets[-1]) == len(ids):
+        return  # lists or slime's int32 tensors; both have len() and int() of an element
+    sample.rollout_top_p_token_ids = []
+    sample.rollout_top_p_token_offsets = [0] * (n + 1)
 
 
 def evaluator_reward(exit_code: int, stdout: bytes, timed_out: bool) -> tuple[float, dict | None]:
@@ -394,8 +426,12 @@ class Episode:
             self.record["turns"].append(turn_record)
             self.record["phase"] = "generate"
             started = time.perf_counter()
+            post = _sglang.slime_post(self.state.slime_http_utils)
+            if post is not None:
+                self.state.stats["sglang_posts_via_slime"] += 1
             out = await _sglang.generate(self.state.http, url, list(sample.tokens), params, headers=headers,
-                                         retries=settings.sglang_retries, timeout_s=settings.sglang_timeout_s)
+                                         retries=settings.sglang_retries, timeout_s=settings.sglang_timeout_s,
+                                         post=post)
             turn_record["gen_s"] = round(time.perf_counter() - started, 4)
             self.record["gen_s"] += time.perf_counter() - started
             turn_record["finish_reason"] = out.finish_reason

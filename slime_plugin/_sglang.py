@@ -3,18 +3,32 @@
 Request: ``{"input_ids": [...], "sampling_params": {...}, "return_logprob": true}``. Answer:
 ``text`` and ``meta_info`` with ``finish_reason.type`` (``stop`` / ``length`` / ``abort``) and
 ``output_token_logprobs`` (``[logprob, token_id, ...]`` per generated token).
+
+The POST goes through slime's own ``slime.utils.http_utils.post(url, payload, max_retries=60,
+headers=None)`` when slime is importable and its client is set up in this process (slime's rollout
+manager calls ``init_http_client``), so ``--use-distributed-post`` and slime's retry policy apply
+as they do to slime's own rollout; else through the plugin's httpx client and retries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import logging
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from ._errors import GenerationError
+
+logger = logging.getLogger(__name__)
+
+#: ``slime.utils.http_utils.post``'s shape: ``(url, payload, max_retries=60, headers=None)`` → the
+#: decoded JSON answer; raises once its retries are spent.
+SlimePost = Callable[..., Awaitable[Any]]
 
 _RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
@@ -54,6 +68,28 @@ def parse_generate_response(data: Any) -> Turn:
                 finish_reason=finish_type, meta_info=meta)
 
 
+def find_slime_http_utils() -> Any | None:
+    """slime's ``slime.utils.http_utils`` module when it is importable and has ``post``, else None."""
+    try:
+        module = importlib.import_module("slime.utils.http_utils")
+    except ImportError:
+        return None
+    except Exception as e:  # noqa: BLE001 - a broken slime install must not abort every sample
+        logger.warning("[weenv] slime.utils.http_utils cannot be imported (%s: %s); posting to SGLang with "
+                       "the plugin's own client", type(e).__name__, e)
+        return None
+    return module if callable(getattr(module, "post", None)) else None
+
+
+def slime_post(http_utils: Any | None) -> SlimePost | None:
+    """``http_utils.post`` if slime's HTTP client is set up in this process. Before
+    ``init_http_client`` (or with no rollout engines) slime's ``post`` would retry a missing client
+    for a minute, so the plugin's own client is used instead."""
+    if http_utils is None or getattr(http_utils, "_http_client", True) is None:
+        return None
+    return http_utils.post
+
+
 async def generate(
     http: httpx.AsyncClient,
     url: str,
@@ -63,9 +99,19 @@ async def generate(
     headers: dict[str, str] | None = None,
     retries: int = 3,
     timeout_s: float = 600.0,
+    post: SlimePost | None = None,
 ) -> Turn:
-    """POST one request, retrying transport errors and 429/5xx with jittered backoff."""
+    """POST one request: through ``post`` (slime's ``http_utils.post``, with its own retries and
+    no deadline) when given, else with ``http``, retrying transport errors and 429/5xx with
+    jittered backoff (``retries``, ``timeout_s`` per attempt)."""
     payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+    if post is not None:
+        try:
+            data = await post(url, payload, headers=headers)
+        except Exception as e:  # noqa: BLE001 - whatever its retries ended on (httpx, Ray, ...)
+            raise GenerationError(f"POST {url} through slime.utils.http_utils.post failed: "
+                                  f"{type(e).__name__}: {str(e)[:200]}") from e
+        return parse_generate_response(data)
     last: str = ""
     for attempt in range(retries + 1):
         if attempt:

@@ -1,5 +1,6 @@
 """Per-event-loop state shared by all samples of a rollout: the weenv client, the env-creation
-limit, the group templates, the SGLang HTTP client; and the (process-wide) tokenizer cache."""
+limit, the group templates, the SGLang HTTP client (and slime's ``http_utils`` when importable);
+and the (process-wide) tokenizer cache."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import weenv
 from ._config import RolloutSettings
 from ._errors import ConfigError
 from ._groups import GroupTemplates
+from ._sglang import find_slime_http_utils
 
 
 @dataclass
@@ -27,6 +29,8 @@ class LoopState:
     env_slots: asyncio.Semaphore | None
     templates: GroupTemplates
     http: httpx.AsyncClient
+    #: ``slime.utils.http_utils`` when slime is importable: its ``post`` then carries the turns.
+    slime_http_utils: Any | None = None
     #: Counts of env operations (``created_from_plan``, ``created_from_snapshot``, ``commits``,
     #: ``snapshot_unavailable``, ``kills``…), for tests, benchmarks and logs.
     stats: Counter = field(default_factory=Counter)
@@ -55,6 +59,7 @@ def loop_state(settings: RolloutSettings) -> LoopState:
             templates=GroupTemplates(),
             http=httpx.AsyncClient(timeout=settings.sglang_timeout_s,
                                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)),
+            slime_http_utils=find_slime_http_utils(),
         )
         per_loop[settings] = state
     return state

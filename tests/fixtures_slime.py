@@ -1,11 +1,15 @@
 """Fixtures for the slime plugin: a stand-in for slime's ``Sample``, a byte-level tokenizer, slime-like
 ``args``, and a fake SGLang ``/generate`` server on 127.0.0.1.
 
-``Sample`` mirrors the fields, the nested ``Status`` enum and the ``append_response_tokens``
-contract of ``slime/utils/types.py`` (THUDM/slime) without torch: model tokens need log-probs,
-tool tokens get loss-mask 0 and log-prob 0.0, ``finish_reason`` in ``meta_info`` sets the status,
-lengths are checked after every append. ``LegacySample`` has no ``append_response_tokens`` (older
-slime), to exercise the plugin's own bookkeeping.
+``Sample`` mirrors the fields, the nested ``Status`` enum, ``SpecInfo`` / ``PrefixCacheInfo`` and the
+``append_response_tokens`` contract of ``slime/utils/types.py`` (THUDM/slime) without torch: model
+tokens need log-probs, tool tokens get loss-mask 0, log-prob 0.0 and empty top-p spans (when top-p
+replay is on), a ``meta_info`` with ``finish_reason`` adds to ``prefix_cache_info`` (and
+``spec_info`` with ``args.sglang_speculative_algorithm``), appends ``weight_version`` and sets the
+status; lengths are checked after every append. Not mirrored: decoding SGLang's top-p and
+routed-experts arrays out of ``meta_info``. ``LegacySample`` has no ``append_response_tokens``
+(older slime), to exercise the plugin's own bookkeeping. ``train_side_checks`` is what slime's
+``RolloutManager._convert_samples_to_train_data`` (``slime/ray/rollout.py``) asserts per sample.
 
 The fake server answers from a script: ``reply(prompt_text, payload) -> Reply``, where
 ``prompt_text`` is the byte-decoded ``input_ids``. ``turns([...])`` picks the reply by how many
@@ -69,6 +73,32 @@ class Sample:
     session_id: str | None = None
     non_generation_time: float = 0.0
 
+    @dataclass
+    class SpecInfo:
+        spec_accept_token_num: int = 0
+        spec_draft_token_num: int = 0
+        spec_verify_ct: int = 0
+        completion_token_num: int = 0
+
+        def add(self, meta_info: dict) -> None:
+            self.spec_accept_token_num += meta_info.get("spec_accept_token_num", 0)
+            self.spec_draft_token_num += meta_info.get("spec_draft_token_num", 0)
+            self.spec_verify_ct += meta_info.get("spec_verify_ct", 0)
+            self.completion_token_num += meta_info.get("completion_tokens", 0)
+
+    spec_info: SpecInfo = field(default_factory=SpecInfo)
+
+    @dataclass
+    class PrefixCacheInfo:
+        cached_tokens: int = 0
+        total_prompt_tokens: int = 0
+
+        def add(self, meta_info: dict) -> None:
+            self.cached_tokens += meta_info.get("cached_tokens", 0)
+            self.total_prompt_tokens += meta_info.get("prompt_tokens", 0)
+
+    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+
     def append_response_tokens(self, args=None, *, tokens=None, log_probs=None, trainable: bool = True,
                                meta_info: dict | None = None, text: str | None = None,
                                update_terminal_info: bool = True) -> None:
@@ -98,8 +128,15 @@ class Sample:
                 self.rollout_log_probs = [0.0] * before
             self.rollout_log_probs += log_probs
         if tokens and not trainable and self.rollout_top_p_token_offsets is not None:
-            self.rollout_top_p_token_offsets += [self.rollout_top_p_token_offsets[-1]] * len(tokens)
+            if self.rollout_top_p_token_ids is None or not self.rollout_top_p_token_offsets:
+                raise ValueError("Cannot append empty top-p spans without existing token ids and offsets.")
+            self.rollout_top_p_token_ids = list(self.rollout_top_p_token_ids)
+            self.rollout_top_p_token_offsets = list(self.rollout_top_p_token_offsets) + \
+                [self.rollout_top_p_token_offsets[-1]] * len(tokens)
         if meta_info is not None and update_terminal_info and "finish_reason" in meta_info:
+            if getattr(args, "sglang_speculative_algorithm", False):
+                self.spec_info.add(meta_info=meta_info)
+            self.prefix_cache_info.add(meta_info=meta_info)
             if "weight_version" in meta_info:
                 self.weight_versions.append(meta_info["weight_version"])
             match meta_info["finish_reason"]["type"]:
@@ -109,13 +146,33 @@ class Sample:
                     self.status = Sample.Status.ABORTED
                 case "stop":
                     self.status = Sample.Status.COMPLETED
-        self.check_lengths()
+        self._validate_response_metadata_lengths()
 
-    def check_lengths(self) -> None:
+    def _validate_response_metadata_lengths(self) -> None:
         if self.loss_mask is not None and len(self.loss_mask) != self.response_length:
             raise ValueError(f"loss_mask length {len(self.loss_mask)} != response_length {self.response_length}")
         if self.rollout_log_probs is not None and len(self.rollout_log_probs) != self.response_length:
             raise ValueError(f"rollout_log_probs length {len(self.rollout_log_probs)} != {self.response_length}")
+        if self.rollout_top_p_token_ids is None and self.rollout_top_p_token_offsets is None:
+            return
+        if self.rollout_top_p_token_ids is None or self.rollout_top_p_token_offsets is None:
+            raise ValueError("rollout top-p replay must include both token ids and offsets.")
+        if len(self.rollout_top_p_token_offsets) != self.response_length + 1:
+            raise ValueError(f"rollout_top_p_token_offsets length {len(self.rollout_top_p_token_offsets)} "
+                             f"!= response_length + 1 ({self.response_length + 1})")
+        if int(self.rollout_top_p_token_offsets[-1]) != len(self.rollout_top_p_token_ids):
+            raise ValueError("rollout top-p token ids/offsets mismatch")
+
+
+def train_side_checks(sample: Any, args: Any) -> None:
+    """What slime's ``_convert_samples_to_train_data`` asserts on each sample it trains on."""
+    loss_mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+    assert len(loss_mask) == sample.response_length, f"loss mask {len(loss_mask)} != {sample.response_length}"
+    if getattr(args, "rollout_top_p", 1.0) != 1.0:
+        assert sample.rollout_top_p_token_ids is not None
+        assert sample.rollout_top_p_token_offsets is not None
+        assert len(sample.rollout_top_p_token_offsets) == sample.response_length + 1
+        assert int(sample.rollout_top_p_token_offsets[-1]) == len(sample.rollout_top_p_token_ids)
 
 
 class LegacySample(Sample):
@@ -203,13 +260,15 @@ def turns(replies: list[Reply | str], *, markers: tuple[str, ...] = ("<output ex
 class FakeSGLang:
     """``POST /generate`` on 127.0.0.1 with a scripted ``reply``; ``requests`` records payloads.
     ``fail_next`` answers that many requests with HTTP 503 first; ``latency_s`` delays every answer
-    (a model that takes time to generate; requests are served in parallel threads)."""
+    (a model that takes time to generate; requests are served in parallel threads);
+    ``weight_version`` is reported in every ``meta_info`` (SGLang's default is ``"default"``)."""
 
     def __init__(self, latency_s: float = 0.0) -> None:
         self.reply: Callable[[str, dict], Reply] = turns(["<answer>nothing scripted</answer>"])
         self.requests: list[dict] = []
         self.fail_next = 0
         self.latency_s = latency_s
+        self.weight_version: str | None = "default"
         self._lock = threading.Lock()
         fake = self
 
@@ -267,6 +326,8 @@ class FakeSGLang:
         meta = {"finish_reason": finish_reason, "prompt_tokens": len(payload.get("input_ids", [])),
                 "completion_tokens": len(ids), "cached_tokens": 0,
                 "output_token_logprobs": [[r.log_prob, t, None] for t in ids]}
+        if self.weight_version is not None:
+            meta["weight_version"] = self.weight_version
         return 200, {"text": text, "meta_info": meta}
 
     def close(self) -> None:

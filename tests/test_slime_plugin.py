@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import json
+import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -27,7 +29,7 @@ from slime_plugin import rollout as plugin_rollout
 from slime_plugin._episode import append_tokens, clip_output, evaluator_reward, mark_aborted, merge_stop, reset_response
 from slime_plugin._groups import GroupTemplates
 from slime_plugin._sglang import parse_generate_response
-from tests.fixtures_slime import LegacySample, Reply, Sample, sampling_params, slime_args, turns
+from tests.fixtures_slime import LegacySample, Reply, Sample, sampling_params, slime_args, train_side_checks, turns
 
 
 def run(coro):
@@ -224,6 +226,33 @@ def test_reset_and_abort_keep_shapes_consistent():
     s2 = Sample(tokens=[1])
     mark_aborted(s2, SimpleNamespace(reward_key="score"), "r")
     assert s2.reward == {"score": 0.0}
+
+
+def test_mark_aborted_leaves_top_p_spans_the_train_side_accepts():
+    """With top-p replay on (``rollout_top_p != 1``) slime asserts on every sample it trains on,
+    removed ones too: ids and offsets set, ``len(offsets) == response_length + 1``,
+    ``offsets[-1] == len(ids)``."""
+    replay = SimpleNamespace(reward_key=None, rollout_top_p=0.9)
+    fresh = Sample(tokens=[1, 2])
+    mark_aborted(fresh, replay, "create/sandbox: boom")  # before any generation
+    assert (fresh.rollout_top_p_token_ids, fresh.rollout_top_p_token_offsets) == ([], [0, 0])
+    train_side_checks(fresh, replay)
+    fresh._validate_response_metadata_lengths()
+    # spans that cover the response are kept as they are
+    covered = Sample(tokens=[1, 7, 8], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0],
+                     rollout_top_p_token_ids=[7, 9, 8], rollout_top_p_token_offsets=[0, 2, 3])
+    mark_aborted(covered, replay, "generate/sglang_abort: x")
+    assert covered.rollout_top_p_token_offsets == [0, 2, 3] and covered.rollout_top_p_token_ids == [7, 9, 8]
+    # spans that do not (an aborted turn's tokens came without them) become empty spans
+    short = Sample(tokens=[1, 7, 8], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-1.0, -1.0],
+                   rollout_top_p_token_ids=[7, 9], rollout_top_p_token_offsets=[0, 2])
+    mark_aborted(short, replay, "generate/internal: x")
+    assert (short.rollout_top_p_token_ids, short.rollout_top_p_token_offsets) == ([], [0, 0, 0])
+    train_side_checks(short, replay)
+    # without replay nothing is invented
+    plain = Sample(tokens=[1, 2])
+    mark_aborted(plain, SimpleNamespace(reward_key=None, rollout_top_p=1.0), "r")
+    assert plain.rollout_top_p_token_ids is None and plain.rollout_top_p_token_offsets is None
 
 
 def test_evaluator_reward_rules():
@@ -505,6 +534,7 @@ def test_sglang_abort_gives_an_aborted_sample(daemon, fake_sglang):
     run(plugin_rollout.generate(args, sample, sampling_params()))
     assert sample.status is Sample.Status.COMPLETED and not sample.remove_sample and sample.reward == 1.0
     assert sample.response == "<answer>fine</answer>" and "abort_reason" not in sample.metadata
+    assert sample.weight_versions == ["default"]  # the dropped attempt's two turns are not counted
 
 
 @pytest.mark.integration
@@ -820,6 +850,108 @@ def test_sglang_retries_then_gives_up(fake_sglang):
     with pytest.raises(slime_plugin.GenerationError, match="failed 2 times; last: HTTP 503"):
         asyncio.run(call(1))
     assert fake_sglang.requests[-1]["return_logprob"] is True and fake_sglang.requests[-1]["input_ids"] == [1, 2]
+
+
+def test_a_sample_aborted_before_generation_passes_the_train_side_top_p_checks(fake_sglang):
+    args = slime_args(fake_sglang, rollout_top_p=0.9)
+    sample = Sample(index=0, prompt="hi", metadata={"weenv": {"max_turns": "lots", "plan": "x"}})
+    run(plugin_rollout.generate(args, sample, sampling_params()))
+    assert sample.status is Sample.Status.ABORTED and sample.remove_sample and fake_sglang.requests == []
+    assert sample.response_length == 1
+    assert (sample.rollout_top_p_token_ids, sample.rollout_top_p_token_offsets) == ([], [0, 0])
+    train_side_checks(sample, args)
+    sample._validate_response_metadata_lengths()
+
+
+def _fake_env_args(fake_sglang, monkeypatch, **overrides):
+    """``args`` for episodes in :class:`_FakeClient` envs (no daemon): every command succeeds."""
+    import weenv
+
+    monkeypatch.setattr(weenv, "AsyncClient", _FakeClient)
+    return slime_args(fake_sglang, weenv_plan="plan.lock", weenv_socket="/fake.sock", **overrides)
+
+
+def test_a_restarted_sample_reports_only_its_own_turns(fake_sglang, monkeypatch):
+    """Partial rollout hands an ABORTED sample back and the episode restarts from the prompt: the
+    dropped attempt's weight versions and prefix-cache / speculative counters go with it."""
+    args = _fake_env_args(fake_sglang, monkeypatch, partial_rollout=True, sglang_speculative_algorithm="EAGLE")
+    sample = Sample(index=0, prompt="p")
+    fake_sglang.weight_version = "1"
+    fake_sglang.reply = turns(["<bash>echo one</bash>", Reply("partial", finish="abort")])
+    run(plugin_rollout.generate(args, sample, sampling_params()))
+    assert sample.status is Sample.Status.ABORTED and sample.weight_versions == ["1", "1"]
+    assert sample.prefix_cache_info.total_prompt_tokens > 0 and sample.spec_info.completion_token_num > 0
+    sample.metadata["start_rollout_id"] = 3  # slime's abort() notes where the dropped response began
+
+    fake_sglang.weight_version = "2"
+    fake_sglang.reply = turns(["<bash>echo two</bash>", "<answer>ok</answer>"])
+    first = len(fake_sglang.requests)
+    run(plugin_rollout.generate(args, sample, sampling_params()))
+    assert sample.status is Sample.Status.COMPLETED, sample.metadata.get("abort_reason")
+    assert sample.weight_versions == ["2", "2"]
+    assert sample.prefix_cache_info.total_prompt_tokens == sum(len(r["input_ids"])
+                                                               for r in fake_sglang.requests[first:])
+    assert sample.spec_info.completion_token_num == sum(t["new_tokens"] for t in sample.metadata["weenv_run"]["turns"])
+    assert "start_rollout_id" not in sample.metadata
+
+
+def _fake_slime_http_utils(monkeypatch, *, fail: bool = False, client: object = "set"):
+    """``slime.utils.http_utils`` with slime's ``post`` signature; records each call and forwards it
+    to the URL (``fail``: raises as slime's ``post`` does once its retries are spent)."""
+    import httpx
+
+    calls = []
+
+    async def post(url, payload, max_retries=60, headers=None):  # as in slime/utils/http_utils.py
+        calls.append({"url": url, "payload": payload, "max_retries": max_retries, "headers": headers})
+        if fail:
+            raise httpx.ConnectError("All connection attempts failed")
+        async with httpx.AsyncClient() as http:
+            resp = await http.post(url, json=payload or {}, headers=headers)
+            resp.raise_for_status()
+            return resp.json()
+
+    module = ModuleType("slime.utils.http_utils")
+    module.post = post
+    module._http_client = client  # what init_http_client sets in slime's rollout manager
+    for name, value in (("slime", ModuleType("slime")), ("slime.utils", ModuleType("slime.utils")),
+                        ("slime.utils.http_utils", module)):
+        monkeypatch.setitem(sys.modules, name, value)
+    return calls
+
+
+def test_posts_go_through_slimes_http_utils_post_when_importable(fake_sglang, monkeypatch):
+    """So that ``--use-distributed-post`` (Ray actors per node) and slime's retry policy apply."""
+    calls = _fake_slime_http_utils(monkeypatch)
+    assert list(inspect.signature(sys.modules["slime.utils.http_utils"].post).parameters) == [
+        "url", "payload", "max_retries", "headers"]
+    args = _fake_env_args(fake_sglang, monkeypatch, router_policy="consistent_hashing")
+    fake_sglang.reply = turns(["<bash>echo one</bash>", "<answer>ok</answer>"])
+    sample = Sample(index=0, prompt="p", session_id="session-1")
+    run(plugin_rollout.generate(args, sample, sampling_params()))
+    assert sample.status is Sample.Status.COMPLETED, sample.metadata.get("abort_reason")
+    assert len(calls) == 2 == len(fake_sglang.requests)
+    url = f"http://{fake_sglang.host}:{fake_sglang.port}/generate"
+    for call, seen in zip(calls, fake_sglang.requests):
+        assert call["url"] == url and call["payload"] == seen and call["max_retries"] == 60
+        assert call["headers"] == {"X-SMG-Routing-Key": "session-1"}
+        assert set(call["payload"]) == {"input_ids", "sampling_params", "return_logprob"}
+
+    # slime's post gives up (its retries spent): the sample aborts, naming the path it took
+    _fake_slime_http_utils(monkeypatch, fail=True)
+    failed = Sample(index=1, prompt="p")
+    run(plugin_rollout.generate(args, failed, sampling_params()))
+    assert failed.status is Sample.Status.ABORTED
+    assert failed.metadata["abort_reason"].startswith("generate/sglang: POST ")
+    assert "slime.utils.http_utils.post" in failed.metadata["abort_reason"]
+    assert "ConnectError" in failed.metadata["abort_reason"]
+
+    # slime importable but its client never set up in this process: the plugin's own client posts
+    calls = _fake_slime_http_utils(monkeypatch, client=None)
+    before = len(fake_sglang.requests)
+    own = Sample(index=2, prompt="p")
+    run(plugin_rollout.generate(args, own, sampling_params()))
+    assert own.status is Sample.Status.COMPLETED and calls == [] and len(fake_sglang.requests) == before + 2
 
 
 @pytest.mark.integration
