@@ -146,6 +146,10 @@ def run_demo(console: Console | None = None, *, keep: bool = False) -> dict[str,
         for k, v in timings.items():
             t.add_row(k, f"{v * 1000:.1f} ms" if v < 10 else f"{v:.1f} s")
         c.print(t)
+        how = ("them and the envs --keep left with [bold]weenv daemon stop --kill-envs[/]" if keep
+               else "them with [bold]weenv daemon stop[/]")
+        c.print(f"The daemon and the envlet keep running for the next weenv command: stop {how} "
+                "([bold]weenv daemon status[/] shows what runs).")
         return timings
     finally:
         shutil.rmtree(work, ignore_errors=True)

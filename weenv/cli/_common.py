@@ -52,6 +52,16 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def unsqueezed(table: Any, console: Console | None = None) -> Any:
+    """``table`` at the width its cells need, however narrow the terminal or pipe: rich would
+    otherwise cut ids with an ellipsis and wrap sizes to fit (the terminal wraps long lines instead)."""
+    from rich.measure import Measurement
+
+    c = console or stdout
+    table.width = Measurement.get(c, c.options.update_width(1 << 16), table).maximum
+    return table
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

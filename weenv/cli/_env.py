@@ -184,12 +184,18 @@ def ps_cmd(as_json: bool) -> None:
     if as_json:
         print_json(envs)
         return
+    stdout.print(ps_table(envs, time.time()))
+
+
+def ps_table(envs: list[dict[str, Any]], now: float) -> Any:
+    """One row per env; ids and sizes are never cut or wrapped (see ``unsqueezed``)."""
     from rich.table import Table
+
+    from ._common import unsqueezed
 
     t = Table(box=None)
     for col in ("ID", "STATUS", "GROUPS", "CPU QUOTA", "MEMORY", "AGE"):
-        t.add_column(col)
-    now = time.time()
+        t.add_column(col, no_wrap=True)
     for e in envs:
         res = e.get("resources") or {}
         cpu = (res.get("cpu") or {}).get("quota_cores")
@@ -198,7 +204,7 @@ def ps_cmd(as_json: bool) -> None:
                   f"{cpu:.2f}" if cpu else "-",
                   f"{human_bytes(mem.get('used_bytes') or 0)} / {human_bytes(mem['limit_bytes'])}"
                   if mem.get("limit_bytes") else "-", f"{now - e['created_s']:.0f}s")
-    stdout.print(t)
+    return unsqueezed(t)
 
 
 def _simple(name: str, past: str, help_text: str) -> None:
@@ -248,31 +254,41 @@ def timeout_cmd(env_id: str, seconds: float) -> None:
 @click.argument("dst")
 @_api_errors
 def cp_cmd(src: str, dst: str) -> None:
-    """Copy a file host↔env: `weenv cp ./a.txt ENV:/tmp/a.txt` or `weenv cp ENV:/etc/os-release .`."""
-    import os
+    """Copy files or directories host↔env, as `docker cp` does.
+
+    `weenv cp ./repo ENV:/work` (a directory, recursively), `weenv cp ./a.txt ENV:/tmp/` (into
+    /tmp), `weenv cp ENV:/etc/os-release .`. A trailing / on the destination means "into this
+    directory", which must exist; SRC/. copies only the content of SRC.
+    """
+    from ._cp import CopyError, EnvSide, HostSide, copy
 
     def split(spec: str) -> tuple[str | None, str]:
         if ":" in spec and not spec.startswith(("/", ".")):
             env_id, path = spec.split(":", 1)
+            if not env_id or not path.startswith("/"):
+                raise click.BadParameter(f"{spec!r}: write ENV:/absolute/path", param_hint="SRC/DST")
             return env_id, path
+        if not spec:
+            raise click.BadParameter("empty path", param_hint="SRC/DST")
         return None, spec
 
     (se, sp), (de, dp) = split(src), split(dst)
     if (se is None) == (de is None):
         raise click.UsageError("exactly one of SRC and DST must be ENV:PATH")
     with _client() as c:
-        if se is not None:
-            data = c.get(se).read_file(sp)
-            if os.path.isdir(dp):
-                dp = os.path.join(dp, os.path.basename(sp))
-            with open(dp, "wb") as f:
-                f.write(data)
-        else:
-            with open(sp, "rb") as f:
-                data = f.read()
-            mode = os.stat(sp).st_mode & 0o777
-            c.get(de).write_file(dp, data, mode=mode)  # type: ignore[arg-type]
-    stdout.print(f"copied {human_bytes(len(data))}")
+        env_side = EnvSide(c.get(se or de))  # type: ignore[arg-type]
+        src_side, dst_side = (env_side, HostSide()) if se is not None else (HostSide(), env_side)
+        try:
+            report, target = copy(src_side, sp, dst_side, dp)
+        except CopyError as e:
+            raise click.ClickException(str(e)) from None
+    what = f"{report.files} file{'' if report.files == 1 else 's'}"
+    if report.dirs:
+        what += f", {report.dirs} director{'y' if report.dirs == 1 else 'ies'}"
+    stdout.print(f"copied {what} ({human_bytes(report.bytes)}) to {dst_side.show(target)}")
+    for skipped in report.skipped:
+        click.echo(f"weenv: skipped {skipped}: the env's files API makes only files and directories"
+                   if se is None else f"weenv: skipped {skipped}: not a file, directory or symlink", err=True)
 
 
 @main.command("gc")

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from . import main
-from ._common import human_bytes, print_json, stdout
+from ._common import human_bytes, print_json, stdout, unsqueezed
 
 
 def _cores(x: float | None) -> str:
@@ -68,7 +68,7 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
     for col, justify in (("ENV", "left"), ("CPU USED/QUOTA", "right"), ("MIN-MAX", "right"), ("THR", "right"),
                          ("MEM USED/LIMIT", "right"), ("MAX", "right"), ("LAST CHANGE", "left"),
                          ("UP/DOWN", "right"), ("REFUSED", "right"), ("OOM", "right")):
-        t.add_column(col, justify=justify)  # type: ignore[arg-type]
+        t.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for env_id in sorted(envs):
         e = envs[env_id]
         cpu, mem, m = e["cpu"], e["memory"], e["metrics"]
@@ -91,7 +91,7 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
             refused,
             oom,
         )
-    return Group(head, t)
+    return Group(head, unsqueezed(t))
 
 
 @main.command("top")
@@ -112,6 +112,18 @@ def top_cmd(once: bool, as_json: bool, interval_s: float, count: int | None) -> 
                 return
             if once:
                 stdout.print(render(c.top()))
+                return
+            if not stdout.is_terminal:
+                # Piped (`| cat`, `| tee`): one whole frame per refresh, flushed at once; a live
+                # view would redraw in place and print nothing until it ends.
+                shown = 0
+                while count is None or shown < count:
+                    if shown:
+                        time.sleep(interval_s)
+                        stdout.print()
+                    stdout.print(render(c.top()))
+                    stdout.file.flush()
+                    shown += 1
                 return
             from rich.live import Live
 
