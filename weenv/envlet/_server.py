@@ -15,7 +15,6 @@ import logging
 import os
 import resource
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ import pyfuse3
 import trio
 
 from .. import layerfmt
+from .._unixsock import bind_unix
 from ..layerfmt import RandomAccessReader
 from ._cache import DiskCache, MemoryCache
 from ._control import (
@@ -374,17 +374,8 @@ class Envlet:
     async def serve_control(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         path = self.control_socket
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)
-        try:
-            await sock.bind(path)
-        finally:
-            os.umask(old)
-        sock.listen(128)
+        # Mode 0600 from the start without touching the process-wide umask (weenv/_unixsock.py).
+        sock = trio.socket.from_stdlib_socket(await trio.to_thread.run_sync(bind_unix, path, 0o600))
         listener = trio.SocketListener(sock)
         task_status.started()
         await trio.serve_listeners(self._serve_connection, [listener])

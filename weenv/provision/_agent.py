@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import inspect
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 
 import trio
 
+from .._unixsock import bind_unix
 from ._errors import ContainerError
 
 log = logging.getLogger("weenv.daemon")
@@ -34,22 +37,49 @@ log = logging.getLogger("weenv.daemon")
 AGENT_SOURCE = os.path.join(os.path.dirname(__file__), "agent", "weenv-agent.c")
 from ._ocispec import AGENT_PATH as AGENT_PATH  # noqa: E402
 _HDR = struct.Struct(">cI")
+AGENT_KEY_BYTES = 32
+
+
+def agent_key_path(socket_path: str) -> str:
+    """Where the daemon keeps the env's agent key (next to the socket, in the root-only env dir)."""
+    return socket_path + ".key"
 
 
 def agent_listener(path: str) -> socket.socket:
-    """A listening Unix socket at ``path`` (mode 0600) for an env's agent to inherit."""
+    """A listening Unix socket at ``path`` (mode 0600) for an env's agent to inherit, with the
+    env's agent key already waiting in it.
+
+    The key (32 random bytes, kept for the daemon at :func:`agent_key_path`) is sent on a
+    connection made here, before anything else holds the socket: it is the first connection the
+    agent accepts, so the agent reads it from that connection into its memory and the key is never
+    on a file system the env can see. The agent proves itself with it on every later connection.
+    """
+    sock = bind_unix(path, 0o600)
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    sock.listen(128)
+        key = secrets.token_bytes(AGENT_KEY_BYTES)
+        tmp = f"{agent_key_path(path)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, key)
+        finally:
+            os.close(fd)
+        os.replace(tmp, agent_key_path(path))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
+            first.connect(path)  # queued in the backlog until the agent accepts it
+            first.sendall(_frame(b"K", key))
+    except BaseException:
+        sock.close()
+        raise
     return sock
+
+
+def _read_key(socket_path: str) -> bytes | None:
+    try:
+        with open(agent_key_path(socket_path), "rb") as f:
+            return f.read(AGENT_KEY_BYTES + 1)
+    except FileNotFoundError:
+        return None
 
 
 def ensure_agent(lib_dir: str) -> str | None:
@@ -112,6 +142,18 @@ async def _connect(path: str, deadline_s: float) -> trio.SocketStream:
         delay = min(delay * 2, 0.02)
 
 
+async def _check_agent(stream: trio.SocketStream, buf: bytearray, key: bytes, deadline_s: float, env_id: str) -> None:
+    """The agent's first frame must carry the env's key: nothing else answers for it."""
+    with trio.move_on_after(deadline_s):
+        frame = await _read_frame(stream, buf)
+        if frame is not None and frame[0] == b"H" and hmac.compare_digest(frame[1], key):
+            return
+        raise ContainerError(
+            "the env's agent socket answered without the env's agent key: refusing to trust it with a command",
+            env_id=env_id, detail=f"first frame {frame[0]!r}" if frame is not None else "connection closed")
+    raise ContainerError(f"the env's agent did not identify itself within {deadline_s:g} s", env_id=env_id)
+
+
 async def agent_exec(
     socket_path: str,
     argv: Sequence[str],
@@ -149,15 +191,18 @@ async def agent_exec(
     timed_out = False
     not_found = False
     code: int | None = None
+    key = _read_key(socket_path)
     stream = await _connect(socket_path, connect_deadline_s)
     async with stream:
+        buf = bytearray()
+        if key is not None:
+            await _check_agent(stream, buf, key, connect_deadline_s, env_id)
         msg = _frame(b"R", request)
         if stdin is not None:
             for i in range(0, len(stdin), 1 << 20):
                 msg += _frame(b"I", stdin[i : i + (1 << 20)])
             msg += _frame(b"E")
         await stream.send_all(msg)
-        buf = bytearray()
 
         async def pump(deadline: float) -> None:
             nonlocal code, not_found

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import re
-import socket
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import h11
 import trio
 
+from .._unixsock import bind_unix
 log = logging.getLogger("weenv.daemon")
 MAX_BODY_BYTES = 256 << 20
 _READ = 65536
@@ -195,16 +195,9 @@ class Server:
 
     async def serve_unix(self, path: str, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket is 0600: the API is root's
-        try:
-            await sock.bind(path)
-        finally:
-            os.umask(old)
-        sock.listen(512)
+        # The socket is 0600 (the API is root's) from the start, without touching the process-wide
+        # umask (weenv/_unixsock.py).
+        sock = trio.socket.from_stdlib_socket(
+            await trio.to_thread.run_sync(lambda: bind_unix(path, 0o600, backlog=512)))
         task_status.started()
         await trio.serve_listeners(self.serve_connection, [trio.SocketListener(sock)])

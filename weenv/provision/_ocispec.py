@@ -320,7 +320,8 @@ def build_spec(
     if use_agent:
         # weenv-agent is the init and runs commands for the daemon: it must be root to run them
         # as any user; commands default to the plan's user (recorded in an annotation).
-        args = (AGENT_PATH, "--fd", "3")  # the listening socket the daemon bound, outside the env
+        # the listening socket the daemon bound, outside the env; its first connection holds the key
+        args = (AGENT_PATH, "--fd", "3", "--key-first")
         user = ROOT_USER
     elif args is None:
         if init_path is None:

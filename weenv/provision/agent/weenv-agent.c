@@ -6,12 +6,22 @@
  * the init itself. This replaces `crun exec` (a fork of crun, state parsing and setns into every
  * namespace, ~12-20 ms) with a fork+exec in the env (~1 ms).
  *
- * usage: weenv-agent --fd N       accept on an inherited listening socket (what weenv does: the
+ * usage: weenv-agent --fd N [--key-first]
+ *                                accept on an inherited listening socket (what weenv does: the
  *                                socket is bound by the daemon outside the env, so nothing in the
  *                                env can replace it with a link to some other socket)
  *        weenv-agent SOCKET_PATH  bind a socket at SOCKET_PATH (for tests and other runtimes)
  *
+ * Nothing in the env may answer in the agent's place (docs/security.md): the agent makes itself
+ * undumpable before anything else runs in the env, so env root (same uid, no CAP_SYS_PTRACE) cannot
+ * ptrace it, open /proc/1/mem or /proc/1/fd, or pidfd_getfd(2) its listening socket. With
+ * --key-first the first connection waiting on the socket is the daemon's and carries the env's key
+ * ('K' frame); the agent keeps it in memory only and starts every later connection with an 'H'
+ * frame holding it, so the daemon can tell its agent from anything else listening. Signals that
+ * would stop the agent are only obeyed when they come from outside the env's pid namespace.
+ *
  * Protocol: one command per connection; frames are [type:1][length:4, big endian][payload].
+ *   agent -> daemon  'H' hello (payload: the env's key), first on every connection when keyed
  *   daemon -> agent  'R' request: NUL-terminated key/value strings, keys: arg (repeated, argv),
  *                        env (repeated, NAME=VALUE), cwd, uid, gid, group (repeated), stdin ("1": frames follow)
  *                    'I' stdin bytes      'E' end of stdin      'K' kill (payload: signal number)
@@ -31,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -69,6 +80,11 @@ struct conn {
 };
 
 static struct conn conns[MAX_CONNS];
+
+#define MAX_KEY 64
+#define KEY_WAIT_MS 10000
+static unsigned char key[MAX_KEY];
+static uint32_t key_len; /* 0: not keyed (no hello frame) */
 
 static long long now_ns(void) {
     struct timespec ts;
@@ -343,9 +359,53 @@ static void reap(void) {
     }
 }
 
+/* Read exactly len bytes from fd, waiting at most until deadline (now_ns clock). */
+static int read_exact_until(int fd, unsigned char *buf, size_t len, long long deadline) {
+    size_t got = 0;
+    while (got < len) {
+        long long left = deadline - now_ns();
+        if (left <= 0) return -1;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int r = poll(&p, 1, (int)(left / 1000000) + 1);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        ssize_t n = read(fd, buf + got, len - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        got += (size_t)n;
+    }
+    return 0;
+}
+
+/* The daemon queued one connection carrying the key before handing the socket over: take it. */
+static int read_key(int lfd) {
+    long long deadline = now_ns() + KEY_WAIT_MS * 1000000LL;
+    struct pollfd p = {.fd = lfd, .events = POLLIN};
+    int r;
+    do r = poll(&p, 1, KEY_WAIT_MS); while (r < 0 && errno == EINTR);
+    if (r <= 0) return -1;
+    int cfd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (cfd < 0) return -1;
+    unsigned char hdr[5];
+    int ok = read_exact_until(cfd, hdr, 5, deadline) == 0 && hdr[0] == 'K';
+    uint32_t len = ((uint32_t)hdr[1] << 24) | ((uint32_t)hdr[2] << 16) | ((uint32_t)hdr[3] << 8) | hdr[4];
+    ok = ok && len > 0 && len <= MAX_KEY && read_exact_until(cfd, key, len, deadline) == 0;
+    close(cfd);
+    if (!ok) return -1;
+    key_len = len;
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 2 && !(argc == 3 && !strcmp(argv[1], "--fd"))) {
-        fprintf(stderr, "usage: %s --fd N | SOCKET_PATH\n", argv[0]);
+    /* First: nothing of the env runs yet, and from here on nothing in it can read or write our
+     * memory or descriptors (ptrace access checks need CAP_SYS_PTRACE for an undumpable task). */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+        perror("weenv-agent: prctl(PR_SET_DUMPABLE)");
+        return 1;
+    }
+    int keyed = argc == 4 && !strcmp(argv[3], "--key-first");
+    if (argc != 2 && !((argc == 3 || keyed) && !strcmp(argv[1], "--fd"))) {
+        fprintf(stderr, "usage: %s --fd N [--key-first] | SOCKET_PATH\n", argv[0]);
         return 2;
     }
     for (int i = 0; i < MAX_CONNS; i++) conns[i].fd = conns[i].in_fd = conns[i].out_fd = conns[i].err_fd = -1;
@@ -358,10 +418,14 @@ int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     int lfd;
-    if (argc == 3) {
+    if (argc >= 3) {
         lfd = atoi(argv[2]);
         if (lfd < 3 || fcntl(lfd, F_SETFD, FD_CLOEXEC) < 0) {
             fprintf(stderr, "weenv-agent: fd %s is not an open listening socket\n", argv[2]);
+            return 1;
+        }
+        if (keyed && read_key(lfd) < 0) {
+            fprintf(stderr, "weenv-agent: no key from the daemon on fd %s\n", argv[2]);
             return 1;
         }
     } else {
@@ -418,7 +482,9 @@ int main(int argc, char **argv) {
         if (pfds[1].revents & POLLIN) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) == sizeof si) {
-                if (si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) return 0;
+                /* ssi_pid is 0 for a sender outside our pid namespace (the host): as an env's
+                 * init only the host stops the agent; env root sending SIGTERM to pid 1 is ignored. */
+                if ((si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT) && (si.ssi_pid == 0 || getpid() != 1)) return 0;
             }
             reap();
         }
@@ -436,6 +502,7 @@ int main(int argc, char **argv) {
                     c->used = 1;
                     c->fd = cfd;
                     c->in_fd = c->out_fd = c->err_fd = -1;
+                    if (key_len && send_frame(cfd, 'H', key, key_len) < 0) finish(c);
                 }
             }
         }
