@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fixtures_common import require_root
-from weenv.provision.cgroups import CgroupBackend, CgroupFs, FakeBackend, V2Backend, detect_backend
-from weenv.provision.cgroups import parse_layout
+from weenv.provision.cgroups import CgroupBackend, CgroupFs, V2Backend, detect_backend, parse_layout
+from weenv.testing import FakeBackend
 
 MIB = 1 << 20
 

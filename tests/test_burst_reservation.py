@@ -10,7 +10,8 @@ from trio.testing import MockClock
 
 from weenv.provision._monitor import Monitor
 from weenv.provision._policy import DEFAULT_POLICY, EnvLimits, EnvQuotaState, NodeView, PolicyConfig, decide
-from weenv.provision.cgroups import CgroupSample, FakeBackend
+from weenv.provision.cgroups import CgroupSample
+from weenv.testing import FakeBackend
 
 MIB = 1 << 20
 GIB = 1 << 30

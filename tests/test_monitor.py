@@ -15,7 +15,7 @@ from trio.testing import MockClock
 from tests.fixtures_cgroups import MIB, Harness
 from weenv.provision._monitor import Monitor
 from weenv.provision._policy import EnvLimits, PolicyConfig
-from weenv.provision.cgroups import FakeBackend
+from weenv.testing import FakeBackend
 
 GIB = 1 << 30
 HUNGRY = EnvLimits(cpu_min_cores=0.25, cpu_max_cores=2.0, memory_min_bytes=64 * MIB, memory_max_bytes=1 * GIB)

@@ -12,7 +12,7 @@ import pytest
 
 from weenv.provision._monitor import Monitor
 from weenv.provision._policy import EnvLimits
-from weenv.provision.cgroups import FakeBackend
+from weenv.testing import FakeBackend
 
 from .fixtures_cgroups import require_v1_host
 

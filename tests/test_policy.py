@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from weenv.provision._policy import DEFAULT_POLICY, EnvLimits, EnvQuotaState, NodeView, PolicyConfig
 from weenv.provision._policy import admit, adopt_state, decide, initial_state
-from weenv.provision.cgroups import CgroupSample, FakeBackend
+from weenv.provision.cgroups import CgroupSample
+from weenv.testing import FakeBackend
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -55,15 +55,21 @@ from ._policy import decide as decide
 from ._runtime import ContainerState as ContainerState
 from ._runtime import CrunRuntime as CrunRuntime
 from ._runtime import ExecResult as ExecResult
-from ._runtime import FakeRuntime as FakeRuntime
 from ._runtime import Runtime as Runtime
 from ._runtime import prepare_bundle as prepare_bundle
 from .cgroups import Cgroup as Cgroup
 from .cgroups import CgroupBackend as CgroupBackend
 from .cgroups import CgroupSample as CgroupSample
-from .cgroups import FakeBackend as FakeBackend
 from .cgroups import V1Backend as V1Backend
 from .cgroups import V2Backend as V2Backend
 from .cgroups import detect_backend as detect_backend
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = ["Admission", "AdmissionError", "BindMount", "Cgroup", "CgroupBackend", "CgroupBusyError", "CgroupError",
+           "CgroupExistsError", "CgroupNameError", "CgroupNotFoundError", "CgroupSample", "CgroupUnavailableError",
+           "ContainerError", "ContainerExistsError", "ContainerNotFoundError", "ContainerState", "CrunRuntime",
+           "DEFAULT_POLICY", "Daemon", "DaemonConfig", "Decision", "EnvError", "EnvFileError", "EnvFileNotFoundError",
+           "EnvFileTooLargeError", "EnvFileTypeError", "EnvLimits", "EnvManager", "EnvMetrics", "EnvNotFoundError",
+           "EnvQuotaState", "EnvStartError", "EnvStateError", "ExecResult", "FileInfo", "HostError", "HostFacts",
+           "Monitor", "MonitorStatistics", "MountError", "NodeView", "PolicyConfig", "ProvisionError", "RootFS",
+           "Runtime", "SpecError", "User", "UserNotFoundError", "V1Backend", "V2Backend", "admit", "build_spec",
+           "criu_status", "decide", "detect_backend", "detect_host", "prepare_bundle", "resolve_user", "serve"]

@@ -1,5 +1,7 @@
 """Harness code shared by tests/ and benchmarks/ (and the fixture cache `weenv demo` looks into)."""
 
+from ._cgroups import FakeBackend as FakeBackend
+from ._cgroups import FakeCgroup as FakeCgroup
 from ._fixturecache import DEFAULT_ROOT as DEFAULT_ROOT
 from ._fixturecache import ENV_VAR as ENV_VAR
 from ._fixturecache import BadEntry as BadEntry
@@ -13,5 +15,6 @@ from ._fixturecache import check_tar as check_tar
 from ._fixturecache import check_tree as check_tree
 from ._fixturecache import find as find
 
-__all__ = ["DEFAULT_ROOT", "ENV_VAR", "BadEntry", "BuildError", "FixtureCacheError", "cache_root", "cached",
+__all__ = ["DEFAULT_ROOT", "ENV_VAR", "BadEntry", "BuildError", "FakeBackend", "FakeCgroup", "FixtureCacheError",
+           "cache_root", "cached",
            "check_executable", "check_file", "check_tar", "check_tree", "find"]

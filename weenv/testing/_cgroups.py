@@ -1,4 +1,5 @@
-"""An in-memory cgroup backend for unit tests of logic (the monitor, the daemon's bookkeeping).
+"""An in-memory cgroup backend (:class:`~weenv.provision.cgroups.CgroupBackend`) for unit tests of
+logic (the monitor, the daemon's bookkeeping); the cgroup conformance tests run against it too.
 
 Each fake group runs a tiny workload model driven by the backend's clock: tests set
 ``cpu_demand_cores`` and ``memory_demand_bytes`` and the counters move as a kernel's would
@@ -12,8 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .._errors import CgroupBusyError, CgroupExistsError, CgroupNotFoundError
-from ._base import ALL_FEATURES, Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up
+from weenv.provision._errors import CgroupBusyError, CgroupExistsError, CgroupNotFoundError
+from weenv.provision.cgroups._base import ALL_FEATURES, Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up
 
 
 class FakeCgroup(Cgroup):
