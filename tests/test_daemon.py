@@ -74,6 +74,32 @@ def test_timeout_kills_the_whole_tree_and_missing_commands_are_clear(daemon):
         assert r.exit_code == 127 and r.command_not_found and b"no-such-command" in r.stderr
 
 
+def _sleepers(env, marker: str) -> int:
+    out = env.exec(["sh", "-c", f"ps -o args | grep -c '^[s]leep {marker}'"]).stdout
+    return int(out.strip() or b"0")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+def test_an_exec_whose_client_goes_away_is_killed(daemon, stream):
+    """Closing the connection ends the command (and its children), not its own timeout minutes later."""
+    import socket
+
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        marker = "301" if stream else "302"
+        body = json.dumps({"argv": ["sh", "-c", f"sleep {marker} & sleep {marker}"], "timeout_s": 600,
+                           "stream": stream}).encode()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(daemon.socket)
+        s.sendall(f"POST /v1/envs/{env.id}/exec HTTP/1.1\r\nhost: weenv\r\ncontent-type: application/json\r\n"
+                  f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_for(lambda: _sleepers(env, marker) == 2, timeout_s=10), "the command did not start"
+        s.close()
+        t0 = time.monotonic()
+        assert wait_for(lambda: _sleepers(env, marker) == 0, timeout_s=5), \
+            f"still running {time.monotonic() - t0:.1f} s after the client went away"
+        assert env.exec(["echo", "ok"]).stdout == b"ok\n"  # the env and the daemon carry on
+
+
 def test_upper_dir_is_bounded_and_a_full_disk_only_fails_inside(daemon):
     # memory min above the 64 MiB disk: the upper (tmpfs, charged to the env) must hit its size
     # bound, not the env's memory limit
@@ -171,7 +197,7 @@ def test_bad_input_gets_clear_errors_and_the_daemon_keeps_serving(daemon, tmp_pa
         with pytest.raises(weenv.EnvNotFoundError):
             c.get("no-such-env")
         with pytest.raises(weenv.ApiError) as ei:
-            c.create(daemon.plan_lock, memory="64TiB")
+            c.create(daemon.plan_lock, memory="1TiB")  # within what a plan takes, far above this node
         assert ei.value.status == 503 and "memory" in str(ei.value)
         with c.create(daemon.plan_lock) as env:
             assert env.exec(["true"]).exit_code == 0

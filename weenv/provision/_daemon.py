@@ -6,18 +6,19 @@ reaps the rest. The envlet is its own process (own session) for the same reason.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import msgspec
 import trio
 
 from .. import __version__, _home
+from .. import _wire as wire
 from ..envlet import EnvletClient, EnvletError, EnvletProcess
 from ..plan import Lock, Plan, PlanError, apply_overrides, load_any, plan_from_builtins
 from ._agent import ensure_agent
@@ -32,7 +33,7 @@ from ._errors import (
     ProvisionError,
     SpecError,
 )
-from ._http import HTTPError, Request, Response, Router, Server, StreamResponse, json_response
+from ._http import HTTPError, Request, Response, Router, Send, Server, StreamResponse, error_info, json_response
 from ._monitor import PROMETHEUS_CONTENT_TYPE, Monitor
 from ._policy import PolicyConfig
 from ._runtime import CrunRuntime, ExecResult, Runtime
@@ -40,7 +41,6 @@ from ._snapshots import SnapshotNotFoundError
 from .cgroups import CgroupBackend, detect_backend
 
 log = logging.getLogger("weenv.daemon")
-_json = msgspec.json.Encoder()
 
 
 class DaemonConfig(msgspec.Struct, kw_only=True):
@@ -193,7 +193,7 @@ class Daemon:
             self.manager.agent_path = await trio.to_thread.run_sync(
                 ensure_agent, os.path.join(self.config.home, "lib"))
         adoption = await self.manager.adopt()
-        server = Server(self.router.dispatch)
+        server = Server(self.router)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.manager.nursery = nursery
@@ -296,215 +296,215 @@ class Daemon:
 
         @r.route("GET", "/v1/ping")
         async def ping(req: Request) -> Response:
-            return json_response({"pid": os.getpid(), "version": __version__, "envs": len(m.envs),
-                                  "uptime_s": time.time() - self.started_s})
+            req.query_as(wire.NoQuery)
+            return json_response(wire.Ping(pid=os.getpid(), version=__version__, envs=len(m.envs),
+                                           uptime_s=time.time() - self.started_s))
 
         @r.route("POST", "/v1/daemon/stop")
         async def stop(req: Request) -> Response:
-            kill_envs = req.json().get("kill_envs", False)
-            if not isinstance(kill_envs, bool):
-                raise HTTPError(400, "bad_request", f"'kill_envs' must be true or false, got {kill_envs!r}")
-            self.request_stop(kill_envs=kill_envs)
-            return json_response({"pid": os.getpid(), "stopping": True, "kill_envs": kill_envs}, 202)
+            body = req.decode(wire.StopRequest)
+            self.request_stop(kill_envs=body.kill_envs)
+            return json_response(wire.StopResponse(pid=os.getpid(), stopping=True, kill_envs=body.kill_envs), 202)
 
         @r.route("POST", "/v1/envs")
         async def create(req: Request) -> Response:
-            body = req.json()
-            if "snapshot" in body:
-                overrides = body.get("overrides") or {}
-                if not isinstance(body["snapshot"], str) or not isinstance(overrides, dict):
-                    raise HTTPError(400, "bad_request", "'snapshot' must be a snapshot id and 'overrides' an object")
-                rec = await call(m.create_from_snapshot(body["snapshot"], **overrides))
+            body = req.decode(wire.CreateRequest)
+            overrides = body.overrides.given() if body.overrides is not None else {}
+            if body.snapshot is not None:
+                rec = await call(m.create_from_snapshot(body.snapshot, **overrides))
             else:
-                plan = await call(self._plan_from_request(body))
+                plan = await call(self._plan_from_request(body, overrides))
                 rec = await call(m.create(plan))
-            return json_response(rec.public(self.envs_dir), 201)
+            return json_response(self._env_info(rec), 201)
 
         @r.route("POST", "/v1/envs/{id}/commit")
         async def commit(req: Request) -> Response:
-            ref = req.json().get("ref")
-            snap = await call(m.commit(req.params["id"], ref=ref))
-            return json_response({"snapshot": snap.id, **snap.public()}, 201)
+            body = req.decode(wire.CommitRequest)
+            snap = await call(m.commit(req.params["id"], ref=body.ref))
+            return json_response(msgspec.convert({"snapshot": snap.id, **snap.public()}, wire.CommitResponse), 201)
 
         @r.route("POST", "/v1/envs/{id}/fork")
         async def fork(req: Request) -> Response:
-            n = req.json().get("n", 1)
-            if not isinstance(n, int) or isinstance(n, bool):
-                raise HTTPError(400, "bad_request", f"'n' must be an integer, got {n!r}")
-            snap, children = await call(m.fork(req.params["id"], n))
-            return json_response({"snapshot": snap.id, "envs": [c.public(self.envs_dir) for c in children]}, 201)
+            body = req.decode(wire.ForkRequest)
+            snap, children = await call(m.fork(req.params["id"], body.n))
+            return json_response(wire.ForkResponse(snapshot=snap.id, envs=[self._env_info(c) for c in children]), 201)
 
         @r.route("GET", "/v1/snapshots")
         async def snapshots(req: Request) -> Response:
-            return json_response([s.public() for s in m.snapshots.list()])
+            req.query_as(wire.NoQuery)
+            return json_response(msgspec.convert([s.public() for s in m.snapshots.list()], list[wire.SnapshotInfo]))
 
         @r.route("GET", "/v1/snapshots/{id}")
         async def snapshot(req: Request) -> Response:
             rec = await call(_sync(m.snapshots.get, req.params["id"]))
-            return json_response({**rec.public(), "lock": rec.lock})
+            return json_response(msgspec.convert({**rec.public(), "lock": rec.lock}, wire.SnapshotDetail))
 
         @r.route("DELETE", "/v1/snapshots/{id}")
         async def snapshot_rm(req: Request) -> Response:
             removed = await call(_sync(m.delete_snapshot, req.params["id"]))
-            return json_response({"id": req.params["id"], "removed_blobs": removed})
+            return json_response(wire.SnapshotRemoved(id=req.params["id"], removed_blobs=list(removed)))
 
         @r.route("GET", "/v1/envs")
         async def ps(req: Request) -> Response:
+            req.query_as(wire.NoQuery)
             top = self.monitor.snapshot().get("envs", {})
-            return json_response([{**rec.public(self.envs_dir), "resources": top.get(rec.id)}
-                                  for rec in m.envs.values()
+            return json_response([self._env_info(rec, top.get(rec.id)) for rec in m.envs.values()
                                   if rec.status != "pooled" and rec.id not in m.pool_starting])
 
         @r.route("GET", "/v1/envs/{id}")
         async def show(req: Request) -> Response:
             rec = await call(_sync(m.get, req.params["id"]))
             top = self.monitor.snapshot().get("envs", {})
-            return json_response({**rec.public(self.envs_dir), "resources": top.get(rec.id)})
+            return json_response(self._env_info(rec, top.get(rec.id)))
 
         @r.route("DELETE", "/v1/envs/{id}")
         async def kill(req: Request) -> Response:
+            req.decode(wire.Empty)
             await call(m.kill(req.params["id"]))
-            return json_response({"id": req.params["id"], "status": "killed"})
+            return json_response(wire.EnvStatus(id=req.params["id"], status="killed"))
 
         @r.route("POST", "/v1/envs/{id}/pause")
         async def pause(req: Request) -> Response:
+            req.decode(wire.Empty)
             await call(m.pause(req.params["id"]))
-            return json_response({"id": req.params["id"], "status": "paused"})
+            return json_response(wire.EnvStatus(id=req.params["id"], status="paused"))
 
         @r.route("POST", "/v1/envs/{id}/resume")
         async def resume(req: Request) -> Response:
+            req.decode(wire.Empty)
             await call(m.resume(req.params["id"]))
-            return json_response({"id": req.params["id"], "status": "running"})
+            return json_response(wire.EnvStatus(id=req.params["id"], status="running"))
 
         @r.route("POST", "/v1/envs/{id}/ttl")
         async def ttl(req: Request) -> Response:
-            ttl_s = req.json().get("ttl_s")
-            if ttl_s is not None and (not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
-                raise HTTPError(400, "bad_request", f"ttl_s must be a positive number or null, got {ttl_s!r}")
-            rec = await call(_sync(m.set_ttl, req.params["id"], ttl_s))
-            return json_response(rec.public(self.envs_dir))
+            body = req.decode(wire.TtlRequest)
+            rec = await call(_sync(m.set_ttl, req.params["id"], body.ttl_s))
+            return json_response(self._env_info(rec))
 
         @r.route("POST", "/v1/envs/{id}/exec")
         async def exec_(req: Request) -> Response | StreamResponse:
-            body = req.json()
-            argv = body.get("argv")
-            if argv is None and isinstance(body.get("cmd"), str):
-                argv = ["/bin/sh", "-c", body["cmd"]]
-            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-                raise HTTPError(400, "bad_request", "exec needs 'argv' (a non-empty list of strings) or 'cmd' (a string)")
-            env = body.get("env") or None
-            if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                                      for k, v in env.items())):
-                raise HTTPError(400, "bad_request", "'env' must map strings to strings")
-            stdin = base64.b64decode(body["stdin_b64"]) if body.get("stdin_b64") else None
-            kw = dict(env=env, cwd=body.get("cwd"), user=body.get("user"), stdin=stdin, timeout_s=body.get("timeout_s"))
+            body = req.decode(wire.ExecRequest)
+            argv = body.command()
+            kw = dict(env=body.env, cwd=body.cwd, user=body.user, stdin=body.stdin_b64, timeout_s=body.timeout_s)
             env_id = req.params["id"]
             await call(_sync(m._running, env_id))
-            if not body.get("stream"):
+            if not body.stream:
+                # cancelled (and the command killed) when the client goes away: see _http.Server._watch
                 result: ExecResult = await call(m.exec(env_id, argv, **kw))
-                return Response(200, _json.encode(result))
-            return StreamResponse(self._exec_stream(env_id, argv, kw))
+                return Response(200, wire.encode(result))
+            return StreamResponse(partial(self._exec_stream, env_id, argv, kw))
 
         @r.route("GET", "/v1/envs/{id}/files")
         async def files_get(req: Request) -> Response:
-            op = req.query.get("op", "read")
-            if op not in ("read", "list", "stat"):
-                raise HTTPError(400, "bad_request", f"op must be read, list or stat, got {op!r}")
-            out = await call(m.files(req.params["id"], op, _path(req), user=req.query.get("user") or None))
-            if op == "read":
+            q = req.query_as(wire.FilesQuery)
+            out = await call(m.files(req.params["id"], q.op, q.path, user=q.user))
+            if q.op == "read":
                 return Response(200, out, "application/octet-stream")
-            return Response(200, _json.encode(out))
+            return Response(200, wire.encode(out))
 
-        @r.route("PUT", "/v1/envs/{id}/files")
+        @r.route("PUT", "/v1/envs/{id}/files", stream_body=True, max_body_bytes=wire.MAX_UPLOAD_BYTES)
         async def files_put(req: Request) -> Response:
-            mode = int(req.query.get("mode", "644"), 8)
-            await call(m.files(req.params["id"], "write", _path(req), data=req.body, mode=mode,
-                               user=req.query.get("user") or None))
-            return json_response({"path": _path(req), "size_bytes": len(req.body)})
+            q = req.query_as(wire.FilesWriteQuery)
+            size = 0
+
+            def chunks() -> Iterator[bytes]:
+                """Runs in the file write's worker thread: the body goes to disk as it arrives."""
+                nonlocal size
+                while chunk := trio.from_thread.run(req.receive_chunk):
+                    size += len(chunk)
+                    yield chunk
+
+            await call(m.files(req.params["id"], "write", q.path, data=chunks(),  # type: ignore[arg-type]
+                               mode=q.mode_bits(0o644), user=q.user))
+            return json_response(wire.PathDone(path=q.path, size_bytes=size))
 
         @r.route("POST", "/v1/envs/{id}/files/mkdir")
         async def files_mkdir(req: Request) -> Response:
-            mode = int(req.query.get("mode", "755"), 8)
-            await call(m.files(req.params["id"], "mkdir", _path(req), mode=mode, user=req.query.get("user") or None))
-            return json_response({"path": _path(req)})
+            q = req.query_as(wire.FilesWriteQuery)
+            await call(m.files(req.params["id"], "mkdir", q.path, mode=q.mode_bits(0o755), user=q.user))
+            return json_response(wire.PathDone(path=q.path))
 
         @r.route("DELETE", "/v1/envs/{id}/files")
         async def files_delete(req: Request) -> Response:
-            await call(m.files(req.params["id"], "remove", _path(req), recursive=req.query.get("recursive") == "1"))
-            return json_response({"path": _path(req)})
+            q = req.query_as(wire.FilesRemoveQuery)
+            await call(m.files(req.params["id"], "remove", q.path, recursive=q.recursive == "1"))
+            return json_response(wire.PathDone(path=q.path))
 
         @r.route("POST", "/v1/gc")
         async def gc(req: Request) -> Response:
+            req.decode(wire.Empty)
             return json_response(await call(m.gc()))
 
         @r.route("GET", "/v1/top")
         async def top(req: Request) -> Response:
+            req.query_as(wire.NoQuery)
             trees = m.layer_trees.stats() if m.layer_trees is not None else None
             return json_response({**self.monitor.snapshot(), "statistics": msgspec.to_builtins(self.monitor.statistics()),
-                                  "layer_trees": trees})
+                                  "layer_trees": trees, "network": await m.net.counters()})
+
+        @r.route("GET", "/v1/envs/{id}/network")
+        async def network_show(req: Request) -> Response:
+            rec = await call(_sync(m.get, req.params["id"]))
+            return json_response(await m.net.info(rec.id))
+
+        @r.route("POST", "/v1/envs/{id}/network")
+        async def network_change(req: Request) -> Response:
+            """Body ``{"allow": [...], "deny": [...], "remove": [...]}``: the running env's new policy."""
+            rec = await call(_sync(m.get, req.params["id"]))
+            if rec.status not in ("running", "paused"):
+                raise HTTPError(409, "wrong_state", f"env {rec.id} is {rec.status}")
+            if rec.id not in m.net.states:
+                raise HTTPError(409, "wrong_state", f"env {rec.id} has no egress network")
+            try:
+                info = await m.net.change_from_body(rec.id, os.path.join(self.envs_dir, rec.id), req.body)
+            except ValueError as e:
+                raise HTTPError(400, "bad_request", f"network change: {e}") from None
+            return json_response(info)
 
         @r.route("GET", "/v1/metrics")
         async def metrics(req: Request) -> Response:
-            return Response(200, self.monitor.prometheus_text(), PROMETHEUS_CONTENT_TYPE)
+            text = self.monitor.prometheus_text() + await m.net.prometheus_text()
+            return Response(200, text, PROMETHEUS_CONTENT_TYPE)
 
-    async def _plan_from_request(self, body: dict[str, Any]) -> Any:
-        if "plan" in body:
-            if not isinstance(body["plan"], dict):
-                raise HTTPError(400, "bad_request", "'plan' must be a plan or lock object")
-            cls = Lock if "lock_version" in body["plan"] else Plan
-            plan = plan_from_builtins(body["plan"], cls, source="<request plan>")
-        elif "plan_text" in body:
-            plan = load_any(body["plan_text"], fmt=body.get("format", "toml"), source=body.get("source", "<request>"))
-        else:
-            raise HTTPError(400, "bad_request", "create needs 'plan' (an object) or 'plan_text'")
-        overrides = body.get("overrides") or {}
+    def _env_info(self, rec: Any, resources: dict[str, Any] | None = None) -> wire.EnvInfo:
+        return msgspec.convert({**rec.public(self.envs_dir), "resources": resources}, wire.EnvInfo)
+
+    async def _plan_from_request(self, body: wire.CreateRequest, overrides: dict[str, Any]) -> Any:
+        try:
+            if body.plan is not None:
+                cls = Lock if "lock_version" in body.plan else Plan
+                plan = plan_from_builtins(body.plan, cls, source="request body $.plan")
+            else:
+                # bytes: always the document itself (load_any reads a str that does not look like
+                # a document as a path, and a request must never name a file on the daemon's host)
+                plan = load_any((body.plan_text or "").encode("utf-8"), fmt=body.format,
+                                source=body.source or "request body $.plan_text")
+        except RecursionError:
+            raise HTTPError(400, "bad_request", "request body: the plan is nested too deeply") from None
         if overrides:
-            allowed = {"name", "ttl_s", "cpu", "memory", "env", "workdir", "user", "network"}
-            unknown = set(overrides) - allowed
-            if unknown:
-                raise HTTPError(400, "bad_request", f"unknown overrides {sorted(unknown)}; allowed: {sorted(allowed)}")
             plan = apply_overrides(plan, **overrides)
         return plan
 
-    async def _exec_stream(self, env_id: str, argv: list[str], kw: dict[str, Any]):  # type: ignore[no-untyped-def]
-        send, recv = trio.open_memory_channel[bytes](256)
+    async def _exec_stream(self, env_id: str, argv: list[str], kw: dict[str, Any], send: Send) -> None:
+        """NDJSON exec frames; runs in the connection's task, so a client that goes away cancels
+        the exec (and the env's agent kills the command) instead of leaving it to its timeout."""
 
         async def on_output(stream: str, data: bytes) -> None:
-            line = json.dumps({"stream": stream, "data_b64": base64.b64encode(data).decode()}) + "\n"
+            await send(wire.encode(wire.ExecFrame(stream=stream, data_b64=data)) + b"\n")  # type: ignore[arg-type]
+
+        try:
+            result = await self.manager.exec(env_id, argv, on_output=on_output, **kw)
+            final = wire.ExecFrame(result=result)  # type: ignore[arg-type]
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise  # the client is gone: nothing to tell it
+        except Exception as e:
             try:
-                await send.send(line.encode())
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the client went away; the command runs on to its end or timeout
-
-        async def runner() -> None:
-            async with send:
-                try:
-                    result = await self.manager.exec(env_id, argv, on_output=on_output, **kw)
-                    final = {"result": msgspec.to_builtins(result)}
-                except Exception as e:
-                    try:
-                        err = _error(e)
-                        final = {"error": {"kind": err.kind, "message": err.message, "status": err.status}}
-                    except Exception:
-                        log.exception("exec stream failed")
-                        final = {"error": {"kind": "internal", "message": f"{type(e).__name__}: {e}", "status": 500}}
-                try:
-                    await send.send((json.dumps(final) + "\n").encode())
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-
-        assert self._nursery is not None
-        self._nursery.start_soon(runner)
-        async with recv:
-            async for chunk in recv:
-                yield chunk
-
-
-def _path(req: Request) -> str:
-    p = req.query.get("path")
-    if not p:
-        raise HTTPError(400, "bad_request", "missing ?path=")
-    return p
+                err = _error(e)
+                final = wire.ExecFrame(error=error_info(err.status, err.kind, err.message, in_stream=True))
+            except Exception:
+                log.exception("exec stream failed")
+                final = wire.ExecFrame(error=error_info(500, "internal", f"{type(e).__name__}: {e}", in_stream=True))
+        await send(wire.encode(final) + b"\n")
 
 
 async def _sync(fn, *args):  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ import posixpath
 import secrets
 import shutil
 import stat
+from collections.abc import Iterable
 
 import msgspec
 
@@ -286,7 +287,7 @@ class RootFS:
     def write(
         self,
         path: str,
-        data: bytes,
+        data: bytes | Iterable[bytes],
         *,
         mode: int | None = None,
         uid: int | None = None,
@@ -295,7 +296,9 @@ class RootFS:
         durable: bool = False,
     ) -> None:
         """Replace (or create) a file atomically. An existing file keeps its mode and owner unless
-        they are given; a new one gets 0o644 and the env user. ``durable`` fsyncs before rename."""
+        they are given; a new one gets 0o644 and the env user. ``durable`` fsyncs before rename.
+        ``data`` may be an iterable of chunks (an upload read as it arrives); if it raises, the
+        file is left as it was."""
         parent, name = _split(path)
         if make_parents:
             self.mkdir(parent, parents=True, uid=uid, gid=gid)
@@ -316,10 +319,11 @@ class RootFS:
                 g = old.st_gid if gid is None else g
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
             try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
+                for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                    view = memoryview(chunk)
+                    while view:
+                        n = os.write(fd, view)
+                        view = view[n:]
                 if u != -1 or g != -1:
                     os.fchown(fd, u, g)
                 os.fchmod(fd, new_mode)  # after chown, which clears setuid/setgid bits

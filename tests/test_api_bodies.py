@@ -1,0 +1,318 @@
+"""Bad request bodies and query strings against the real daemon: a 400 naming the place, never a 500.
+
+Bodies are sent raw (httpx ``content=`` or a bare socket), the way a buggy or hostile client
+would, not through weenv.Client, which only sends well-formed requests.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from weenv import _wire as wire
+
+from .fixtures_daemon import DaemonHandle
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def api(weenv_daemon: DaemonHandle) -> Iterator[httpx.Client]:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=weenv_daemon.socket), base_url="http://weenv",
+                      timeout=30.0) as http:
+        yield http
+
+
+@pytest.fixture(scope="module")
+def env_id(weenv_daemon: DaemonHandle, api: httpx.Client) -> Iterator[str]:
+    with weenv_daemon.client() as c:
+        env = c.create(weenv_daemon.plan_lock)
+        try:
+            yield env.id
+        finally:
+            env.kill()
+
+
+def _error(resp: httpx.Response, status: int = 400) -> str:
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    body = msgspec.json.decode(resp.content, type=wire.ErrorBody)
+    return body.error.message
+
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+EXEC_CASES = [
+    # (raw body, what the message must name)
+    (b'[1, 2]', "Expected `object`, got `array`"),
+    (b'{"argv": ["cat"], "stdin_b64": "not base64!"}', "$.stdin_b64"),
+    (b'{"argv": ["sleep", "1"], "timeout_s": "abc"}', "$.timeout_s"),
+    (b'{"argv": ["sleep", "1"], "timeout_s": 1e999}', "$.timeout_s"),
+    (b'{"argv": ["sleep", "1"], "timeout_s": NaN}', "$.timeout_s"),
+    (b'{"argv": ["sleep", "1"], "timeout_s": -1}', "$.timeout_s"),
+    (b'{"argv": ["echo", "\\ud800"]}', "surrogate"),
+    (b'{"argv": ["echo", "x\\udc80"]}', "$.argv[1]"),
+    (b'{"argv": ["echo"], "env": {"\\udc80": "x"}}', "$.env"),
+    (b'{"argv": ["echo", "a\\u0000b"]}', "$.argv[1]"),
+    (b'{"argv": []}', "$.argv"),
+    (b'{"argv": "echo hi"}', "$.argv"),
+    (b'{"argv": ["true"], "env": {"A=B": "c"}}', "$.env"),
+    (b'{"argv": ["true"], "env": {"A": 1}}', "$.env"),
+    (b'{"argv": ["true"], "cmd": "true"}', "exactly one of 'argv'"),
+    (b'{"argv": ["true"], "timeout": 5}', "unknown field `timeout`"),
+    (b'{"argv": ["true"]', "truncated"),
+    (b'\xff\xfe', "malformed"),
+    (b'{"argv": ' + DEEP + b'}', "$.argv"),
+    (DEEP, "Expected `object`"),
+]
+
+
+@pytest.mark.parametrize("body,names", EXEC_CASES, ids=[f"exec{i}" for i in range(len(EXEC_CASES))])
+def test_bad_exec_bodies_get_400_naming_the_field(api, env_id, body, names):
+    t0 = time.monotonic()
+    message = _error(api.post(f"/v1/envs/{env_id}/exec", content=body))
+    assert names in message, message
+    assert len(message) < 1200 and time.monotonic() - t0 < 5
+
+
+def test_bad_create_bodies_get_400_naming_the_field(api, weenv_daemon):
+    with open(weenv_daemon.plan_lock) as f:
+        lock_text = f.read()
+    plan = {"name": "x", "groups": [{"name": "os", "ref": "busybox:test", "class": "os"}],
+            "resources": {"cpu": {"min": "abc"}}}
+    cases = [
+        (json.dumps({"plan": plan}).encode(), "resources.cpu.min"),
+        (json.dumps({"plan": plan, "snapshot": "snap-1"}).encode(), "exactly one of"),
+        (b'{"plan": {"name": ' + DEEP + b'}}', "nested too deeply"),
+        (b'{"plan_text": "{\\"a\\": ' + b"[" * 100_000 + b"]" * 100_000 + b'}", "format": "json"}', "nested too deeply"),
+        (json.dumps({"plan_text": lock_text, "format": "yaml"}).encode(), "$.format"),
+        (json.dumps({"plan_text": lock_text, "overrides": {"ttl_s": -5}}).encode(), "$.overrides.ttl_s"),
+        (json.dumps({"plan_text": lock_text, "overrides": {"cpus": 2}}).encode(), "unknown field `cpus`"),
+        (json.dumps({"plan_text": lock_text, "overrides": {"memory": [1, 2]}}).encode(), "$.overrides.memory"),
+        (b'{"snapshot": 7}', "$.snapshot"),
+        # a plan_text is the document, never a path on the daemon's host
+        (json.dumps({"plan_text": weenv_daemon.plan_lock}).encode(), "$.plan_text"),
+        (b'{"plan_text": ""}', "$.plan_text"),
+        (b'{"snapshot": "snap-1", "overrides": {"ttl_s": NaN}}', "$.overrides.ttl_s"),
+    ]
+    for body, names in cases:
+        message = _error(api.post("/v1/envs", content=body))
+        assert names in message, (names, message)
+
+
+def test_ttl_nan_infinity_and_negative_are_refused_and_change_nothing(api, env_id):
+    before = api.get(f"/v1/envs/{env_id}").json()["expires_s"]
+    for body, names in [(b'{"ttl_s": NaN}', "$.ttl_s"), (b'{"ttl_s": Infinity}', "$.ttl_s"),
+                        (b'{"ttl_s": 1e999}', "$.ttl_s"), (b'{"ttl_s": -1}', "$.ttl_s"),
+                        (b'{"ttl_s": "10"}', "$.ttl_s"), (b'{"ttl": 10}', "unknown field `ttl`")]:
+        assert names in _error(api.post(f"/v1/envs/{env_id}/ttl", content=body))
+    assert api.get(f"/v1/envs/{env_id}").json()["expires_s"] == before
+
+
+def test_fork_commit_and_other_bodies_are_typed(api, env_id):
+    assert "$.n" in _error(api.post(f"/v1/envs/{env_id}/fork", content=b'{"n": 0}'))
+    assert "$.n" in _error(api.post(f"/v1/envs/{env_id}/fork", content=b'{"n": true}'))
+    assert "$.n" in _error(api.post(f"/v1/envs/{env_id}/fork", content=b'{"n": 1.5}'))
+    assert "$.ref" in _error(api.post(f"/v1/envs/{env_id}/commit", content=b'{"ref": 5}'))
+    assert "unknown field" in _error(api.post(f"/v1/envs/{env_id}/pause", content=b'{"now": true}'))
+    assert "unknown field" in _error(api.post("/v1/gc", content=b'{"all": true}'))
+    assert api.get(f"/v1/envs/{env_id}").json()["status"] == "running"
+
+
+def test_bad_query_parameters_get_400_naming_the_parameter(api, env_id):
+    url = f"/v1/envs/{env_id}/files"
+    assert "$.mode" in _error(api.put(url, params={"path": "/tmp/x", "mode": "abc"}, content=b"x"))
+    assert "$.mode" in _error(api.put(url, params={"path": "/tmp/x", "mode": "99999"}, content=b"x"))
+    assert "$.mode" in _error(api.post(f"{url}/mkdir", params={"path": "/tmp/d", "mode": "rwx"}))
+    assert "$.op" in _error(api.get(url, params={"path": "/tmp", "op": "delete"}))
+    assert "`path`" in _error(api.get(url))
+    assert "$.path" in _error(api.get(url, params={"path": ""}))
+    assert "unknown field `paht`" in _error(api.get(url, params={"paht": "/tmp"}))
+    assert "$.recursive" in _error(api.delete(url, params={"path": "/tmp/x", "recursive": "yes"}))
+    assert "unknown field" in _error(api.get("/v1/envs", params={"all": "1"}))
+    # nothing was written
+    assert api.get(url, params={"path": "/tmp/x", "op": "stat"}).status_code == 404
+
+
+def _raw(sock_path: str, data: bytes, *, read_timeout_s: float = 5.0) -> bytes:
+    """Send raw bytes, read until the daemon closes or stays quiet."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(read_timeout_s)
+    s.connect(sock_path)
+    try:
+        try:
+            s.sendall(data)
+        except BrokenPipeError:
+            pass  # the daemon answered and closed before taking everything: read its answer
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def test_a_large_json_body_is_refused_with_413_before_it_is_read(weenv_daemon, env_id):
+    t0 = time.monotonic()
+    # 100 MiB announced, only a few bytes sent: the answer comes at once and the connection closes
+    head = (f"POST /v1/envs/{env_id}/exec HTTP/1.1\r\nhost: weenv\r\ncontent-type: application/json\r\n"
+            f"content-length: {100 << 20}\r\n\r\n").encode()
+    out = _raw(weenv_daemon.socket, head + b'{"argv": ["true"], "cmd": "')
+    assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+    assert b"too_large" in out and len(out) < 2000 and time.monotonic() - t0 < 5
+    # chunked, no length: refused once it passes the limit (1 MiB), without echoing it back
+    doc = b'{"cmd": "' + b"x" * (3 << 19)
+    head = f"POST /v1/envs/{env_id}/exec HTTP/1.1\r\nhost: weenv\r\ntransfer-encoding: chunked\r\n\r\n".encode()
+    body = b"".join(b"%x\r\n%s\r\n" % (len(doc[i:i + 65536]), doc[i:i + 65536]) for i in range(0, len(doc), 65536))
+    out = _raw(weenv_daemon.socket, head + body)
+    assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+    assert len(out) < 2000
+    # an upload may be larger than a JSON body, but not larger than its own limit
+    head = (f"PUT /v1/envs/{env_id}/files?path=/tmp/big HTTP/1.1\r\nhost: weenv\r\n"
+            f"content-length: {wire.MAX_UPLOAD_BYTES + 1}\r\n\r\n").encode()
+    out = _raw(weenv_daemon.socket, head + b"abc")
+    assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+
+
+def test_error_messages_never_echo_large_input(api, env_id):
+    big = "A" * 600_000
+    for url, body in [
+        ("/v1/envs", {"plan": {"name": big, "groups": []}}),
+        ("/v1/envs", {"plan_text": big}),
+        ("/v1/envs", {"snapshot": big}),
+        ("/v1/envs", {"plan": {"name": "x", "groups": [{"name": "os", "ref": big, "class": "os"}]}}),
+        (f"/v1/envs/{env_id}/exec", {"argv": ["true"], "user": big}),
+        (f"/v1/envs/{env_id}/exec", {"argv": ["true"], big: 1}),
+    ]:
+        resp = api.post(url, content=json.dumps(body).encode())
+        assert 400 <= resp.status_code < 500, resp.text[:300]
+        assert len(resp.content) < 2000, (url, resp.content[:300])
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_an_upload_is_streamed_to_the_env_not_held_in_memory(weenv_daemon, api, env_id):
+    pid = api.get("/v1/ping").json()["pid"]
+    size = 40 << 20
+    data = os.urandom(1 << 20) * 40
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS to the current RSS
+    base = _peak_rss_bytes(pid)
+    resp = api.put(f"/v1/envs/{env_id}/files", params={"path": "/tmp/upload.bin", "mode": "600"}, content=data)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"path": "/tmp/upload.bin", "size_bytes": size}
+    grew = _peak_rss_bytes(pid) - base
+    assert grew < 16 << 20, f"the daemon's peak RSS grew by {grew >> 20} MiB for a {size >> 20} MiB upload"
+    st_ = api.get(f"/v1/envs/{env_id}/files", params={"path": "/tmp/upload.bin", "op": "stat"}).json()
+    assert (st_["size_bytes"], st_["mode"]) == (size, 0o600)
+    r = api.post(f"/v1/envs/{env_id}/exec", json={"argv": ["sha256sum", "/tmp/upload.bin"]}).json()
+    assert base64.b64decode(r["stdout"]).split()[0].decode() == hashlib.sha256(data).hexdigest()
+    api.delete(f"/v1/envs/{env_id}/files", params={"path": "/tmp/upload.bin"})
+
+
+def test_an_upload_broken_off_leaves_the_old_file_and_no_temp_file(weenv_daemon, api, env_id):
+    url = f"/v1/envs/{env_id}/files"
+    assert api.put(url, params={"path": "/tmp/keep.txt"}, content=b"old\n").status_code == 200
+    head = (f"PUT {url}?path=/tmp/keep.txt HTTP/1.1\r\nhost: weenv\r\ncontent-length: {4 << 20}\r\n\r\n").encode()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(weenv_daemon.socket)
+    s.sendall(head + b"n" * (1 << 20))
+    time.sleep(0.3)
+    s.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        names = [e["name"] for e in api.get(url, params={"path": "/tmp", "op": "list"}).json()]
+        if not any(".weenv-" in n for n in names):
+            break
+        time.sleep(0.05)
+    assert [n for n in names if "keep" in n] == ["keep.txt"], names
+    assert api.get(url, params={"path": "/tmp/keep.txt"}).content == b"old\n"
+    assert api.get("/v1/ping").status_code == 200
+
+
+# -- fuzz -------------------------------------------------------------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+_exec_fields = {
+    "argv": st.lists(st.text(max_size=12), max_size=4) | _json,
+    "cmd": st.text(max_size=30) | _json,
+    "env": st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=3) | _json,
+    "cwd": st.text(max_size=12) | _json,
+    "user": st.text(max_size=8) | _json,
+    "stdin_b64": st.binary(max_size=16).map(lambda b: base64.b64encode(b).decode()) | st.text(max_size=8) | _json,
+    "timeout_s": st.floats() | st.integers() | _json,
+    "stream": st.booleans() | _json,
+    "extra": _json,
+}
+_create_fields = {
+    "plan": st.fixed_dictionaries({}, optional={
+        "name": st.text(max_size=8) | _json, "groups": st.lists(_json, max_size=2) | _json,
+        "resources": st.fixed_dictionaries({}, optional={"cpu": _json, "memory": _json, "pids": _json}) | _json,
+        "env": _json, "network": _json, "lock_version": _json}) | _json,
+    "plan_text": st.text(max_size=40) | _json,
+    "format": st.sampled_from(["toml", "json", "yaml"]) | _json,
+    "source": st.text(max_size=8) | _json,
+    "snapshot": st.text(max_size=12) | _json,
+    "overrides": st.fixed_dictionaries({}, optional={
+        "cpu": st.floats() | st.text(max_size=8) | _json, "memory": st.integers() | st.text(max_size=8) | _json,
+        "ttl_s": st.floats() | _json, "env": _json, "name": _json, "bogus": _json}) | _json,
+}
+
+
+def _bodies(fields: dict) -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        st.fixed_dictionaries({}, optional=fields).map(lambda d: json.dumps(d).encode()),  # NaN and inf included
+        _json.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=64),
+    )
+
+
+_fuzz = settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+@_fuzz
+@given(body=_bodies(_exec_fields))
+def test_fuzzed_exec_bodies_get_4xx_never_500(api, body):
+    # an env id that does not exist: a well-formed body ends as a 404, nothing ever runs
+    t0 = time.monotonic()
+    resp = api.post("/v1/envs/no-such-env-fuzz/exec", content=body)
+    assert resp.status_code in (400, 404), (body[:200], resp.status_code, resp.text[:300])
+    msgspec.json.decode(resp.content, type=wire.ErrorBody)
+    assert time.monotonic() - t0 < 5
+
+
+@_fuzz
+@given(body=_bodies(_create_fields))
+def test_fuzzed_create_bodies_get_4xx_never_500(api, body):
+    t0 = time.monotonic()
+    resp = api.post("/v1/envs", content=body)
+    assert 400 <= resp.status_code < 500, (body[:200], resp.status_code, resp.text[:300])
+    assert len(resp.content) < 2000
+    msgspec.json.decode(resp.content, type=wire.ErrorBody)
+    assert time.monotonic() - t0 < 5

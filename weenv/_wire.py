@@ -1,0 +1,331 @@
+"""The daemon's HTTP API bodies: one msgspec Struct per request body, query string and answer.
+
+The daemon decodes every request here, at its boundary, so a handler only ever sees typed,
+bounded values; a bad body is a 400 naming the place (``at $.timeout_s``, ``at $.argv[2]``).
+The clients encode their requests with the same Structs and decode the answers with them.
+
+Schema evolution rules (the daemon and a client may be of different versions):
+
+- Requests (:class:`RequestBody`) are strict: an unknown field is an error, never ignored, so a
+  misspelt option cannot silently do nothing. A new request field must have a default that keeps
+  the old behaviour; a client must not send it to an older daemon.
+- Answers (:class:`ResponseBody`) are lenient: a client ignores fields it does not know, so the
+  daemon may add answer fields at any time. It never removes or retypes one.
+- Numbers are bounded (no NaN or infinity: JSON cannot carry NaN, and every float has an upper
+  bound, so ``1e999`` is refused). Strings that reach the env's kernel (argv, env, cwd) must not
+  hold NUL bytes.
+
+Limits: a JSON body is at most :data:`MAX_JSON_BODY_BYTES`; a file upload (``PUT .../files``) at
+most :data:`MAX_UPLOAD_BYTES`, streamed to the env's disk as it arrives.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+MAX_JSON_BODY_BYTES = 1 << 20
+MAX_UPLOAD_BYTES = 256 << 20
+MAX_EXEC_TIMEOUT_S = 7 * 86400.0
+MAX_TTL_S = 366 * 86400.0
+MAX_ARGS = 4096  # what weenv-agent takes (its MAX_ARGS)
+MAX_FORK = 1024
+
+T = TypeVar("T")
+
+# -- value types ------------------------------------------------------------------------------
+
+NoNul = Annotated[str, Meta(pattern=r"^[^\x00]*$")]
+"""A string the kernel can take (argv, env values, paths): no NUL byte."""
+EnvName = Annotated[str, Meta(pattern=r"^[^\x00=]+$")]
+"""An environment variable name: not empty, no ``=``, no NUL."""
+Path = Annotated[str, Meta(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+TimeoutS = Annotated[float, Meta(gt=0, le=MAX_EXEC_TIMEOUT_S)]
+TtlS = Annotated[float, Meta(gt=0, le=MAX_TTL_S)]
+Cores = Annotated[float, Meta(gt=0, le=4096)]
+Bytes = Annotated[int, Meta(gt=0, le=1 << 60)]
+OctalMode = Annotated[str, Meta(pattern=r"^[0-7]{1,4}$")]
+"""A file mode as octal digits (``644``), as ``chmod`` takes it."""
+
+
+class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Base of what clients send: unknown fields are refused."""
+
+
+class ResponseBody(msgspec.Struct, kw_only=True):
+    """Base of what the daemon answers: clients ignore fields they do not know."""
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class ExecRequest(RequestBody):
+    """``POST /v1/envs/{id}/exec``: give ``argv`` or ``cmd`` (run by ``/bin/sh -c``)."""
+
+    argv: Annotated[list[NoNul], Meta(min_length=1, max_length=MAX_ARGS)] | None = None
+    cmd: NoNul | None = None
+    env: dict[EnvName, NoNul] | None = None
+    """Merged over the env's own environment."""
+    cwd: Path | None = None
+    user: Name | None = None
+    """A user name or ``uid[:gid]`` from the env's own account files."""
+    stdin_b64: bytes | None = None
+    """Standard input, base64 on the wire (bytes in Python)."""
+    timeout_s: TimeoutS | None = None
+    """SIGKILL the command's whole session after this long (the result says ``timed_out``)."""
+    stream: bool = False
+    """Answer with NDJSON :class:`ExecFrame` lines as output comes, instead of one :class:`ExecResult`."""
+
+    def __post_init__(self) -> None:
+        if (self.argv is None) == (self.cmd is None):
+            raise ValueError("give exactly one of 'argv' (a non-empty list of strings) or 'cmd' (a string)")
+
+    def command(self) -> list[str]:
+        return list(self.argv) if self.argv is not None else ["/bin/sh", "-c", self.cmd or ""]
+
+
+class Overrides(RequestBody):
+    """Values that replace the plan's (see :func:`weenv.plan.apply_overrides`)."""
+
+    name: Name | None = None
+    ttl_s: TtlS | None = None
+    cpu: Cores | Annotated[str, Meta(max_length=64)] | None = None
+    """Cores: ``0.5``, ``"0.5"`` or a range ``"0.25-2"``."""
+    memory: Bytes | Annotated[str, Meta(max_length=64)] | None = None
+    """Bytes, ``"1GiB"`` or a range ``"512MiB-2GiB"``."""
+    env: dict[EnvName, NoNul] | None = None
+    workdir: Path | None = None
+    user: Name | None = None
+    network: Annotated[str, Meta(max_length=64)] | None = None
+
+    def given(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
+
+
+class CreateRequest(RequestBody):
+    """``POST /v1/envs``: give exactly one of ``plan``, ``plan_text`` or ``snapshot``."""
+
+    plan: dict[str, Any] | None = None
+    """A plan or lock (a lock has ``lock_version``) as an object; validated as a plan file is."""
+    plan_text: str | None = None
+    """A plan or lock document, in ``format``."""
+    format: Literal["toml", "json"] = "toml"
+    source: Annotated[str, Meta(max_length=4096)] | None = None
+    """Names the document in error messages (the client sends the file path)."""
+    snapshot: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    overrides: Overrides | None = None
+
+    def __post_init__(self) -> None:
+        given = [f for f in ("plan", "plan_text", "snapshot") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'plan' (an object), 'plan_text' (a document) or 'snapshot' (an id)")
+
+
+class CommitRequest(RequestBody):
+    """``POST /v1/envs/{id}/commit``."""
+
+    ref: Annotated[str, Meta(min_length=1, max_length=512)] | None = None
+    """Also tag the snapshot's layer under this reference."""
+
+
+class ForkRequest(RequestBody):
+    """``POST /v1/envs/{id}/fork``: commit once, start ``n`` children."""
+
+    n: Annotated[int, Meta(ge=1, le=MAX_FORK)] = 1
+
+
+class TtlRequest(RequestBody):
+    """``POST /v1/envs/{id}/ttl``: the env is killed ``ttl_s`` from now; null: never."""
+
+    ttl_s: TtlS | None = None
+
+
+class Empty(RequestBody):
+    """Routes that take no body (``{}`` or nothing)."""
+
+
+class StopRequest(RequestBody):
+    """``POST /v1/daemon/stop``: pooled envs are killed, the others too with ``kill_envs``."""
+
+    kill_envs: bool = False
+
+
+class FilesQuery(RequestBody):
+    """``GET /v1/envs/{id}/files?path=&op=&user=``."""
+
+    path: Path
+    op: Literal["read", "list", "stat"] = "read"
+    user: Name | None = None
+
+
+class FilesWriteQuery(RequestBody):
+    """``PUT /v1/envs/{id}/files?path=&mode=&user=`` (the body is the content) and
+    ``POST /v1/envs/{id}/files/mkdir?path=&mode=&user=``."""
+
+    path: Path
+    mode: OctalMode | None = None
+    user: Name | None = None
+
+    def mode_bits(self, default: int) -> int:
+        return default if self.mode is None else int(self.mode, 8)
+
+
+class FilesRemoveQuery(RequestBody):
+    """``DELETE /v1/envs/{id}/files?path=&recursive=``."""
+
+    path: Path
+    recursive: Literal["0", "1"] = "0"
+
+
+class NoQuery(RequestBody):
+    """Routes that take no query parameters."""
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+class ErrorInfo(ResponseBody, kw_only=True, omit_defaults=True):
+    kind: str
+    """Machine-readable: ``bad_request``, ``too_large``, ``env_not_found``, ``wrong_state``, ..."""
+    message: str
+    status: int | None = None
+    """Only in an exec stream, whose HTTP status was already 200."""
+
+
+class ErrorBody(ResponseBody):
+    """Every 4xx/5xx answer."""
+
+    error: ErrorInfo
+
+
+class Ping(ResponseBody):
+    pid: int
+    version: str
+    envs: int
+    uptime_s: float
+
+
+class EnvInfo(ResponseBody):
+    """One env, as ``weenv ps`` shows it."""
+
+    id: str
+    name: str
+    status: str
+    created_s: float
+    expires_s: float | None = None
+    init_pid: int | None = None
+    snapshot: str | None = None
+    parent: str | None = None
+    groups: list[str | None] = []
+    rootfs: str = ""
+    error: str | None = None
+    timings_ms: dict[str, float] = {}
+    resources: dict[str, Any] | None = None
+    """The monitor's view (quotas, usage); in ``GET /v1/envs`` and ``GET /v1/envs/{id}``."""
+
+
+class SnapshotInfo(ResponseBody):
+    id: str
+    source_env: str | None = None
+    created_s: float = 0.0
+    layers: list[dict[str, Any]] = []
+    ref: str | None = None
+    plan: str | None = None
+    build_key: str | None = None
+    diff_bytes: int = 0
+    cpu_quota_cores: float | None = None
+
+
+class SnapshotDetail(SnapshotInfo, kw_only=True):
+    """``GET /v1/snapshots/{id}``: with the plan lock envs from it start on."""
+
+    lock: dict[str, Any] = {}
+
+
+class CommitResponse(SnapshotInfo, kw_only=True):
+    snapshot: str
+
+
+class ForkResponse(ResponseBody):
+    snapshot: str
+    envs: list[EnvInfo]
+
+
+class StopResponse(ResponseBody):
+    pid: int
+    stopping: bool
+    kill_envs: bool
+
+
+class EnvStatus(ResponseBody):
+    """Answer of kill, pause and resume."""
+
+    id: str
+    status: str
+
+
+class SnapshotRemoved(ResponseBody):
+    id: str
+    removed_blobs: list[str] = []
+
+
+class PathDone(ResponseBody):
+    """Answer of a file write, mkdir or remove."""
+
+    path: str
+    size_bytes: int | None = None
+
+
+class FileInfo(ResponseBody):
+    """One directory entry (``op=list``, a list of them, or ``op=stat``), as ``lstat`` sees it."""
+
+    name: str
+    kind: str
+    size_bytes: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_s: float
+    link_target: str | None = None
+
+
+class ExecResult(ResponseBody):
+    """The outcome of one command. ``exit_code`` is 128+N for signal N (137 after a timeout)."""
+
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
+    duration_s: float = 0.0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    command_not_found: bool = False
+
+
+class ExecFrame(ResponseBody, kw_only=True, omit_defaults=True):
+    """One NDJSON line of a streamed exec: output (``stream`` + ``data_b64``), then exactly one
+    last line with ``result`` or ``error``."""
+
+    stream: Literal["stdout", "stderr"] | None = None
+    data_b64: bytes | None = None
+    result: ExecResult | None = None
+    error: ErrorInfo | None = None
+
+
+# -- codecs -----------------------------------------------------------------------------------
+
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+encode = msgspec.json.Encoder().encode
+
+
+def decode(data: bytes, cls: type[T]) -> T:
+    """``data`` (JSON) as ``cls``; raises msgspec.DecodeError / ValidationError with the location,
+    or RecursionError for nesting deeper than the interpreter allows."""
+    dec = _decoders.get(cls)
+    if dec is None:
+        dec = _decoders[cls] = msgspec.json.Decoder(cls)
+    return dec.decode(data)
+
