@@ -21,7 +21,8 @@ from weenv.provision._hostcheck import HostFacts, bind_unified_controllers_to_v1
 from weenv.provision._ocispec import DEFAULT_CAPABILITIES, DENIED_SYSCALLS, INIT_ARGS, INIT_PATH
 from weenv.provision._ocispec import BindMount, User, build_spec, default_seccomp, merge_env, parse_user
 from weenv.provision._ocispec import render_etc_files
-from weenv.provision._runtime import CrunRuntime, FakeRuntime, kill_exec_tree
+from weenv.provision._runtime import CrunRuntime, kill_exec_tree
+from weenv.testing import FakeRuntime
 
 
 def run(fn, *args):

@@ -14,7 +14,9 @@ from ._fixturecache import check_file as check_file
 from ._fixturecache import check_tar as check_tar
 from ._fixturecache import check_tree as check_tree
 from ._fixturecache import find as find
+from ._runtime import FakeCommand as FakeCommand
+from ._runtime import FakeRuntime as FakeRuntime
 
-__all__ = ["DEFAULT_ROOT", "ENV_VAR", "BadEntry", "BuildError", "FakeBackend", "FakeCgroup", "FixtureCacheError",
-           "cache_root", "cached",
-           "check_executable", "check_file", "check_tar", "check_tree", "find"]
+__all__ = ["DEFAULT_ROOT", "ENV_VAR", "BadEntry", "BuildError", "FakeBackend", "FakeCgroup", "FakeCommand",
+           "FakeRuntime", "FixtureCacheError", "cache_root", "cached", "check_executable", "check_file", "check_tar",
+           "check_tree", "find"]
