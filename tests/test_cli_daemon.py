@@ -94,3 +94,13 @@ def test_sigterm_stops_the_daemon_and_its_envlet_when_no_env_runs() -> None:
         assert "the envlet too" in d.log()
     finally:
         assert teardown_private_daemon(d) == []
+
+
+def test_daemon_options_do_not_apply_to_status_or_stop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    r = CliRunner().invoke(main, ["daemon", "--debug", "--hold", "3", "stop"], env={"WEENV_HOME": str(tmp_path)})
+    assert r.exit_code == 2 and "configure a running daemon, not `weenv daemon stop`" in r.output, r.output
+    assert "--debug" in r.output and "--hold" in r.output, r.output
+    r = CliRunner().invoke(main, ["daemon", "status"], env={"WEENV_HOME": str(tmp_path)})
+    assert r.exit_code == 3 and "daemon  not running" in r.output and "envlet  not running" in r.output, r.output
+    r = CliRunner().invoke(main, ["daemon", "stop"], env={"WEENV_HOME": str(tmp_path)})
+    assert r.exit_code == 0 and "not running" in r.output, r.output

@@ -82,3 +82,11 @@ def test_sync_forks_die_with_the_parent_and_gc_collects_their_snapshot(daemon) -
         assert c.gc()["snapshots"] == []
         assert snapshot_ids(daemon) - before == {committed}
         c.delete_snapshot(committed)
+
+
+def test_an_unawaited_async_create_says_what_to_write(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    c = weenv.AsyncClient(str(tmp_path / "none.sock"), autostart=False)
+    start = c.create({"name": "x"})
+    with pytest.raises(AttributeError, match=r"env = await client.create\(...\)"):
+        start.exec  # noqa: B018
+    start._coro.close()  # never awaited, on purpose

@@ -514,6 +514,12 @@ class _EnvStart:
         if self._env is not None:
             await self._env.__aexit__(*exc)
 
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(f"AsyncClient.create() returns no env yet: write `env = await client.create(...)` "
+                             f"or `async with client.create(...) as env:` before `env.{name}`")
+
 
 class AsyncClient:
     """Async client of the local weenv daemon (httpx.AsyncClient: asyncio or trio)."""
