@@ -377,6 +377,9 @@ def test_registry_killed_mid_read_gives_eio_within_the_deadline_then_recovers(tm
         assert ei.value.errno == errno.EIO
         assert elapsed < 3.0 + 5.0  # the deadline plus slack, never a hang
         _restart_registry(reg)
+        from weenv.envlet._fetch import FAILURE_MEMORY_S
+
+        time.sleep(FAILURE_MEMORY_S)  # a chunk that just failed fails again at once for this long
         with open(os.path.join(info.path, "big"), "rb") as fh:
             fh.seek(2_500_000)
             assert fh.read(10_000) == data[2_500_000:2_510_000]

@@ -304,7 +304,7 @@ def test_l2_serves_after_l1_is_dropped_and_remote_is_not_asked(tmp_path):
 
 def test_a_hanging_store_fails_within_the_deadline_and_the_next_read_retries(tmp_path):
     blob, lay = built(f("a", os.urandom(50_000)))
-    fetcher, reader, src, m = fetcher_setup(tmp_path, blob, deadline_s=0.5)
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob, deadline_s=0.5, failure_memory_s=0.3)
     chunk = lay.entry("a").chunks[0]
     reader.block.clear()
 
@@ -313,14 +313,41 @@ def test_a_hanging_store_fails_within_the_deadline_and_the_next_read_retries(tmp
             await fetcher.get(src, [chunk], "a")
         assert not fetcher._inflight  # nothing stuck
         reader.block.set()
+        await trio.sleep(0.3)  # past the failure memory
         assert await fetcher.get(src, [chunk], "a") == [lay.read("a")]
+
+    trio.run(main)
+
+
+def test_a_read_retried_right_after_a_deadline_fails_at_once_so_one_read_waits_one_deadline(tmp_path):
+    # the kernel retries a failed read-ahead with a read of its own: together they must not take 2 deadlines
+    blob, lay = built(f("a", os.urandom(50_000)), f("b", os.urandom(50_000)))
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob, deadline_s=0.5, failure_memory_s=1.0)
+    ca, cb = lay.entry("a").chunks[0], lay.entry("b").chunks[0]
+    reader.block.clear()
+
+    async def main():
+        t0 = trio.current_time()
+        with pytest.raises(FetchError, match="deadline"):
+            await fetcher.get(src, [ca], "a")
+        t1 = trio.current_time()
+        with pytest.raises(FetchError, match="deadline.*failed 0.*s ago"):
+            await fetcher.get(src, [ca], "a")  # the retry: no second wait
+        t2 = trio.current_time()
+        assert t1 - t0 >= 0.5 and t2 - t1 < 0.1 and m.counters["failed_fast"] == 1
+        assert len(reader.reads) == 1
+        reader.block.set()
+        assert await fetcher.get(src, [cb], "b") == [lay.read("b")]  # other chunks are fetched as usual
+        await trio.sleep(1.0)
+        assert await fetcher.get(src, [ca], "a") == [lay.read("a")]  # and this one after the memory
+        assert not fetcher._failures
 
     trio.run(main)
 
 
 def test_store_errors_and_corrupt_bytes_fail_the_read_and_are_not_cached(tmp_path):
     blob, lay = built(f("a", os.urandom(50_000)), f("b", os.urandom(50_000)))
-    fetcher, reader, src, m = fetcher_setup(tmp_path, blob)
+    fetcher, reader, src, m = fetcher_setup(tmp_path, blob, failure_memory_s=0)
     ca, cb = lay.entry("a").chunks[0], lay.entry("b").chunks[0]
 
     async def main():
@@ -374,3 +401,16 @@ def test_prefetch_yields_to_foreground_reads(tmp_path):
         assert m.counters["prefetch_bytes"] > 0 and all(c.digest in fetcher.l2 for c in pre)
 
     trio.run(main)
+
+
+def test_the_envlet_gives_the_stores_it_opens_its_own_deadline(tmp_path):
+    # a worker thread abandoned at the envlet's deadline must not stay blocked on the store's longer one
+    from weenv.envlet import StoreSpec
+    from weenv.envlet._server import Envlet
+
+    e = Envlet(str(tmp_path / "mnt"), str(tmp_path / "cache"), cache_size_bytes=1 << 20,
+               memory_cache_size_bytes=1 << 20, control_socket=str(tmp_path / "ctl.sock"), deadline_s=2.0)
+    reader = e._reader(StoreSpec("registry", registry="127.0.0.1:9", insecure=True), "r", "sha256:" + "a" * 64, 10)
+    policy = reader.store.policy
+    assert policy.deadline_s == 2.0 and policy.request_timeout_s <= 2.0 and policy.connect_timeout_s <= 2.0
+    reader.store.close()

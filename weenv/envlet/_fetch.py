@@ -7,7 +7,10 @@ Rules this module keeps:
 - every chunk is verified (frame size, length, sha256) before it is cached or served, whether it
   comes from the store or from L2 (:func:`weenv.layerfmt.verify_chunk`);
 - decompression, hashing and disk I/O run in worker threads, never on the trio loop;
-- a failing store becomes :class:`FetchError` within ``deadline_s``, never a hang;
+- a failing store becomes :class:`FetchError` within ``deadline_s``, never a hang; and a read of a
+  chunk whose fetch failed less than ``failure_memory_s`` ago fails at once with that error (the
+  kernel retries a failed read-ahead with a read of its own, which made one ``read()`` wait twice
+  the deadline);
 - background prefetch yields to foreground reads.
 """
 
@@ -26,6 +29,10 @@ from ._errors import ChunkIntegrityError, FetchError
 from ._metrics import Metrics
 
 log = logging.getLogger("weenv.envlet")
+# How long a chunk whose fetch failed (store unreachable, deadline) fails again at once. It covers
+# the kernel's retry of a failed read-ahead (same read() call, milliseconds later), short enough
+# that a store back up is used by the next read a person or program makes.
+FAILURE_MEMORY_S = 1.0
 
 
 @dataclass
@@ -54,9 +61,12 @@ class Fetcher:
         max_concurrent_fetches: int = 8,
         merge_gap_bytes: int = 16 << 10,
         max_run_bytes: int = 8 << 20,
+        failure_memory_s: float = FAILURE_MEMORY_S,
     ):
         self.l1, self.l2, self.metrics = l1, l2, metrics
         self.deadline_s = deadline_s
+        self.failure_memory_s = failure_memory_s
+        self._failures: dict[bytes, tuple[float, FetchError]] = {}  # digest -> (trio time, error)
         self.merge_gap_bytes = merge_gap_bytes
         self.max_run_bytes = max_run_bytes
         self._inflight: dict[bytes, _InFlight] = {}
@@ -98,6 +108,7 @@ class Fetcher:
                 self._readahead_async(src, readahead, path)
             return results  # type: ignore[return-value]
         m.inc("l1_misses", len(missing))
+        self._fail_fast(chunks, missing)
         self._foreground += 1
         self._foreground_idle = trio.Event() if self._foreground_idle.is_set() else self._foreground_idle
         try:
@@ -134,9 +145,14 @@ class Fetcher:
                     await fl.event.wait()
                     results[i] = self._result(fl, src, path)
         except trio.TooSlowError:
-            raise FetchError(
+            err = FetchError(
                 f"layer {src.name}: {path}: no data within the {self.deadline_s:g} s deadline (store unreachable or slow)"
-            ) from None
+            )
+            self._remember_failure(chunks, missing, err)
+            raise err from None
+        except FetchError as e:
+            self._remember_failure(chunks, missing, e)
+            raise
         finally:
             self._foreground -= 1
             if self._foreground == 0:
@@ -144,6 +160,27 @@ class Fetcher:
         if readahead:
             self._readahead_async(src, readahead, path)
         return results  # type: ignore[return-value]
+
+    def _fail_fast(self, chunks: Sequence[Chunk], missing: list[int]) -> None:
+        if not self._failures:
+            return
+        now = trio.current_time()
+        for i in missing:
+            failed = self._failures.get(chunks[i].digest)
+            if failed is not None:
+                if now - failed[0] < self.failure_memory_s:
+                    self.metrics.inc("failed_fast")
+                    raise FetchError(f"{failed[1]} (failed {now - failed[0]:.2f} s ago; tried again after "
+                                     f"{self.failure_memory_s:g} s)")
+                del self._failures[chunks[i].digest]
+
+    def _remember_failure(self, chunks: Sequence[Chunk], missing: list[int], err: FetchError) -> None:
+        now = trio.current_time()
+        if len(self._failures) > 10_000:  # bounded: forget what is past its memory
+            self._failures = {d: v for d, v in self._failures.items() if now - v[0] < self.failure_memory_s}
+        for i in missing:
+            if chunks[i].digest not in self.l1:
+                self._failures[chunks[i].digest] = (now, err)
 
     def _claimable(self, c: Chunk) -> bool:
         return c.digest not in self._inflight and c.digest not in self.l1 and c.digest not in self.l2
@@ -260,6 +297,7 @@ class Fetcher:
             self._write_back(good)
 
     def _resolve(self, digest: bytes, data: bytes) -> None:
+        self._failures.pop(digest, None)
         self.l1.put(digest, data)
         fl = self._inflight.get(digest)
         if fl is not None and not fl.event.is_set():

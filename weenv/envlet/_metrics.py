@@ -25,6 +25,7 @@ COUNTERS = (
     ("prefetch_bytes", "bytes fetched by background prefetch"),
     ("coalesced_waits", "reads that waited for another read's fetch of the same chunk"),
     ("verify_failures", "chunks that failed sha256 or decompression checks"),
+    ("failed_fast", "reads of a chunk whose fetch had just failed, failed again at once"),
     ("read_errors", "FUSE reads answered with EIO"),
     ("fuse_reads", "FUSE read requests"),
     ("fuse_read_bytes", "bytes returned to FUSE reads"),

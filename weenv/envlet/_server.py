@@ -136,6 +136,7 @@ class Envlet:
         self.metrics = Metrics()
         self.l1 = MemoryCache(memory_cache_size_bytes, self.metrics)
         self.l2 = DiskCache(os.path.join(self.cache_dir, "l2"), cache_size_bytes, self.metrics)
+        self.deadline_s = deadline_s
         self.fetcher = Fetcher(self.l1, self.l2, self.metrics, deadline_s=deadline_s,
                                max_concurrent_fetches=max_concurrent_fetches)
         self.by_name: dict[str, MountedLayer] = {}
@@ -164,10 +165,19 @@ class Envlet:
         with self._stores_lock:
             store = self._stores.get(key)
             if store is None:
+                # the store gives up within the envlet's deadline, all attempts included: a worker
+                # thread abandoned at the deadline must not stay blocked on a hung registry after it
                 store = (LayoutStore(spec.path) if spec.kind == "layout"
-                         else RemoteStore(spec.registry, insecure=spec.insecure))
+                         else RemoteStore(spec.registry, insecure=spec.insecure, policy=self.store_policy()))
                 self._stores[key] = store
         return BlobReader(store, repo, digest, size)
+
+    def store_policy(self) -> "RetryPolicy":
+        from ..registry import RetryPolicy
+
+        d = RetryPolicy()
+        return RetryPolicy(deadline_s=self.deadline_s, request_timeout_s=min(d.request_timeout_s, self.deadline_s),
+                           connect_timeout_s=min(d.connect_timeout_s, self.deadline_s))
 
     # ------------------------------------------------------------------ registration
 
@@ -207,6 +217,8 @@ class Envlet:
                     raise ValueError(f"layer name {name} is taken by {existing.digest}")
                 if existing.toc_digest != req.toc_digest:
                     raise ValueError(f"layer {req.digest} is registered with TOC {existing.toc_digest}, not {req.toc_digest}")
+                if existing.size != req.size:
+                    raise ValueError(f"layer {req.digest} is registered with size {existing.size}, not {req.size}")
                 existing.refcount += refcount
                 self._save_state()
                 if req.warm and self._nursery is not None:

@@ -103,6 +103,7 @@ class RemoteStore(Store):
                                   timeout=httpx.Timeout(self.policy.request_timeout_s, connect=self.policy.connect_timeout_s),
                                   headers={"User-Agent": "weenv"}, trust_env=False)
         self._oras: Any = None
+        self._op = threading.local()  # the running operation's deadline, for reads of response bodies
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.base_url!r})"
@@ -170,6 +171,7 @@ class RemoteStore(Store):
         """
         url = path if path.startswith(("http://", "https://")) else self.base_url + path
         started = self._clock()
+        self._op.deadline_at, self._op.where = started + self.policy.deadline_s, where
         attempt = 0
         auth_retried = False
         while True:
@@ -211,6 +213,27 @@ class RemoteStore(Store):
             except httpx.InvalidURL as e:
                 raise ProtocolError(f"{where}: invalid URL {url!r}: {e}") from None
 
+    def _check_deadline(self, received: int) -> None:
+        deadline_at = getattr(self._op, "deadline_at", None)
+        if deadline_at is not None and self._clock() >= deadline_at:
+            raise RegistryUnavailableError(
+                f"{self._op.where}: deadline of {self.policy.deadline_s:.1f}s reached while reading the body "
+                f"({received} bytes received)")
+
+    def _read_body(self, resp: httpx.Response) -> bytes:
+        """The whole body, within the operation's deadline.
+
+        httpx's read timeout bounds each socket read, not the body: a server that trickles bytes
+        would hold a read for ever. The clock is checked after every socket read, so
+        the body ends at the deadline, late by at most one read's timeout (itself cut to what
+        remained of the deadline when the request went out).
+        """
+        out = bytearray()
+        for part in resp.iter_bytes():  # no chunk size: one part per socket read, not buffered up
+            out += part
+            self._check_deadline(len(out))
+        return bytes(out)
+
     # ------------------------------------------------------------------ Store
 
     def _where(self, repo: str, what: str) -> str:
@@ -224,7 +247,7 @@ class RemoteStore(Store):
                 raise NotFoundError(f"{where}: not found{_error_detail(resp)}")
             if resp.status_code != 200:
                 raise ProtocolError(f"{where}: unexpected HTTP {resp.status_code}{_error_detail(resp)}")
-            data = resp.read()
+            data = self._read_body(resp)
             expected = reference if is_digest(reference) else resp.headers.get("docker-content-digest")
             if expected and expected.startswith("sha256:") and sha256_digest(data) != expected:
                 raise IntegrityError(f"{where}: manifest bytes hash to {sha256_digest(data)}, expected {expected}")
@@ -301,7 +324,7 @@ class RemoteStore(Store):
                 start = _content_range_start(resp.headers.get("content-range"))
                 if start is not None and start != offset:
                     raise ProtocolError(f"{where}: registry answered bytes from {start}")
-                data = resp.read()
+                data = self._read_body(resp)
                 if len(data) != length:
                     if start is None and len(data) < length:
                         raise BlobRangeError(f"{where}: only {len(data)} bytes exist there")
@@ -330,7 +353,8 @@ class RemoteStore(Store):
             )
         out = bytearray()
         pos = 0
-        for part in resp.iter_raw(1 << 20):
+        for part in resp.iter_raw():  # one part per socket read: the deadline is checked after each
+            self._check_deadline(pos)
             end = pos + len(part)
             if end > offset:
                 out += part[max(0, offset - pos) : offset + length - pos]
