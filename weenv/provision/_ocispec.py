@@ -128,6 +128,7 @@ DENIED_SYSCALLS = (
     "open_by_handle_at",
     "open_tree",
     "perf_event_open",
+    "pidfd_getfd",
     "pivot_root",
     "process_vm_readv",
     "process_vm_writev",
