@@ -90,3 +90,18 @@ def test_an_unawaited_async_create_says_what_to_write(tmp_path) -> None:  # type
     with pytest.raises(AttributeError, match=r"env = await client.create\(...\)"):
         start.exec  # noqa: B018
     start._coro.close()  # never awaited, on purpose
+
+
+def test_the_quickstart_async_example_runs(daemon) -> None:  # type: ignore[no-untyped-def]
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "quickstart.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "async def rollout" in b)
+    code = code.replace('"task-123.lock.toml"', repr(daemon.plan_lock)).replace(
+        "weenv.AsyncClient()", f"weenv.AsyncClient({daemon.socket!r}, autostart=False)")
+    code = code.replace("print(trio.run(rollout, 4))", "RESULT = trio.run(rollout, 4)")
+    scope: dict = {}
+    exec(compile(code, "quickstart.md", "exec"), scope)
+    assert scope["RESULT"] == [127] * 4  # busybox has no pytest: each child ran the command
+    assert live_ids(daemon) == set()
