@@ -138,5 +138,5 @@ def stop_cmd(kill_envs: bool, timeout_s: float) -> None:
         stdout.print(f"envlet stopped ({_home.envlet_mountpoint()} unmounted)")
     else:
         kept = f"{len(envs)} env{'' if len(envs) == 1 else 's'}" if envs else "envs"
-        stdout.print(f"envlet kept (pid {envlet['pid']}): {kept} still run on its layers; "
+        stdout.print(f"envlet kept (pid {envlet['pid']}): {kept} still run{'s' if len(envs) == 1 else ''} on its layers; "
                      "`weenv daemon stop --kill-envs` stops them and it")
