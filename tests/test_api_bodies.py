@@ -1,7 +1,8 @@
-"""Bad request bodies and query strings against the real daemon: a 400 naming the place, never a 500.
+"""Bad request bodies and query strings: a 400 naming the place, never a 500.
 
-Bodies are sent raw (httpx ``content=`` or a bare socket), the way a buggy or hostile client
-would, not through weenv.Client, which only sends well-formed requests.
+Against the real daemon (integration): bodies are sent raw (httpx ``content=`` or a bare socket),
+the way a buggy or hostile client would, not through weenv.Client, which only sends well-formed
+requests. In process (unit): the HTTP server's body limits, keep-alive and disconnect handling.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import trio
+
 from weenv import _wire as wire
+from weenv.provision._http import HTTPError, Request, Response, Router, Server, StreamResponse, json_response
 
 from .fixtures_daemon import DaemonHandle
 
-pytestmark = pytest.mark.integration
+integration = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +81,7 @@ EXEC_CASES = [
 ]
 
 
+@integration
 @pytest.mark.parametrize("body,names", EXEC_CASES, ids=[f"exec{i}" for i in range(len(EXEC_CASES))])
 def test_bad_exec_bodies_get_400_naming_the_field(api, env_id, body, names):
     t0 = time.monotonic()
@@ -85,6 +90,7 @@ def test_bad_exec_bodies_get_400_naming_the_field(api, env_id, body, names):
     assert len(message) < 1200 and time.monotonic() - t0 < 5
 
 
+@integration
 def test_bad_create_bodies_get_400_naming_the_field(api, weenv_daemon):
     with open(weenv_daemon.plan_lock) as f:
         lock_text = f.read()
@@ -110,6 +116,7 @@ def test_bad_create_bodies_get_400_naming_the_field(api, weenv_daemon):
         assert names in message, (names, message)
 
 
+@integration
 def test_ttl_nan_infinity_and_negative_are_refused_and_change_nothing(api, env_id):
     before = api.get(f"/v1/envs/{env_id}").json()["expires_s"]
     for body, names in [(b'{"ttl_s": NaN}', "$.ttl_s"), (b'{"ttl_s": Infinity}', "$.ttl_s"),
@@ -119,6 +126,7 @@ def test_ttl_nan_infinity_and_negative_are_refused_and_change_nothing(api, env_i
     assert api.get(f"/v1/envs/{env_id}").json()["expires_s"] == before
 
 
+@integration
 def test_fork_commit_and_other_bodies_are_typed(api, env_id):
     assert "$.n" in _error(api.post(f"/v1/envs/{env_id}/fork", content=b'{"n": 0}'))
     assert "$.n" in _error(api.post(f"/v1/envs/{env_id}/fork", content=b'{"n": true}'))
@@ -129,6 +137,7 @@ def test_fork_commit_and_other_bodies_are_typed(api, env_id):
     assert api.get(f"/v1/envs/{env_id}").json()["status"] == "running"
 
 
+@integration
 def test_bad_query_parameters_get_400_naming_the_parameter(api, env_id):
     url = f"/v1/envs/{env_id}/files"
     assert "$.mode" in _error(api.put(url, params={"path": "/tmp/x", "mode": "abc"}, content=b"x"))
@@ -168,6 +177,7 @@ def _raw(sock_path: str, data: bytes, *, read_timeout_s: float = 5.0) -> bytes:
         s.close()
 
 
+@integration
 def test_a_large_json_body_is_refused_with_413_before_it_is_read(weenv_daemon, env_id):
     t0 = time.monotonic()
     # 100 MiB announced, only a few bytes sent: the answer comes at once and the connection closes
@@ -190,6 +200,7 @@ def test_a_large_json_body_is_refused_with_413_before_it_is_read(weenv_daemon, e
     assert out.startswith(b"HTTP/1.1 413 "), out[:200]
 
 
+@integration
 def test_error_messages_never_echo_large_input(api, env_id):
     big = "A" * 600_000
     for url, body in [
@@ -213,6 +224,7 @@ def _peak_rss_bytes(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
+@integration
 def test_an_upload_is_streamed_to_the_env_not_held_in_memory(weenv_daemon, api, env_id):
     pid = api.get("/v1/ping").json()["pid"]
     size = 40 << 20
@@ -232,6 +244,7 @@ def test_an_upload_is_streamed_to_the_env_not_held_in_memory(weenv_daemon, api, 
     api.delete(f"/v1/envs/{env_id}/files", params={"path": "/tmp/upload.bin"})
 
 
+@integration
 def test_an_upload_broken_off_leaves_the_old_file_and_no_temp_file(weenv_daemon, api, env_id):
     url = f"/v1/envs/{env_id}/files"
     assert api.put(url, params={"path": "/tmp/keep.txt"}, content=b"old\n").status_code == 200
@@ -296,6 +309,7 @@ def _bodies(fields: dict) -> st.SearchStrategy[bytes]:
 _fuzz = settings(max_examples=250, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
+@integration
 @_fuzz
 @given(body=_bodies(_exec_fields))
 def test_fuzzed_exec_bodies_get_4xx_never_500(api, body):
@@ -307,6 +321,7 @@ def test_fuzzed_exec_bodies_get_4xx_never_500(api, body):
     assert time.monotonic() - t0 < 5
 
 
+@integration
 @_fuzz
 @given(body=_bodies(_create_fields))
 def test_fuzzed_create_bodies_get_4xx_never_500(api, body):
@@ -316,3 +331,186 @@ def test_fuzzed_create_bodies_get_4xx_never_500(api, body):
     assert len(resp.content) < 2000
     msgspec.json.decode(resp.content, type=wire.ErrorBody)
     assert time.monotonic() - t0 < 5
+
+
+# -- the HTTP server in process (unit) ----------------------------------------------------------
+
+
+class _Probe(wire.RequestBody):
+    x: int = 0
+
+
+def _app(events: list[str]) -> Router:
+    r = Router()
+
+    @r.route("POST", "/echo")
+    async def echo(req: Request) -> Response:
+        return json_response({"x": req.decode(_Probe).x})
+
+    @r.route("POST", "/hang")
+    async def hang(req: Request) -> Response:
+        events.append("hang started")
+        try:
+            await trio.sleep_forever()
+        finally:
+            events.append("hang cancelled")
+        raise AssertionError("unreachable")
+
+    @r.route("POST", "/hang-stream")
+    async def hang_stream(req: Request) -> StreamResponse:
+        async def produce(send) -> None:  # type: ignore[no-untyped-def]
+            await send(b"first\n")
+            events.append("stream started")
+            try:
+                await trio.sleep_forever()
+            finally:
+                events.append("stream cancelled")
+
+        return StreamResponse(produce)
+
+    @r.route("POST", "/broken-stream")
+    async def broken_stream(req: Request) -> StreamResponse:
+        async def produce(send) -> None:  # type: ignore[no-untyped-def]
+            await send(b"partial\n")
+            raise RuntimeError("a bug after the answer started")
+
+        return StreamResponse(produce)
+
+    @r.route("PUT", "/upload", stream_body=True, max_body_bytes=100_000)
+    async def upload(req: Request) -> Response:
+        total = 0
+        while chunk := await req.receive_chunk(4096):
+            assert len(chunk) <= 4096 + 65536
+            total += len(chunk)
+        events.append(f"uploaded {total}")
+        return json_response({"size_bytes": total})
+
+    return r
+
+
+def _serve(tmp_path, client) -> list[str]:  # type: ignore[no-untyped-def]
+    """Run the server on a Unix socket under tmp_path while ``client(path, events)`` runs (bounded)."""
+    events: list[str] = []
+    path = str(tmp_path / "api.sock")
+
+    async def main() -> None:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(Server(_app(events)).serve_unix, path)
+                await client(path, events)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return events
+
+
+async def _exchange(path: str, data: bytes, *, close_after_s: float | None = None) -> bytes:
+    """Send ``data``; read until the server closes (or, with close_after_s, hang up after that long)."""
+    stream = await trio.open_unix_socket(path)
+    out = b""
+    async with stream:
+        await stream.send_all(data)
+        with trio.move_on_after(close_after_s if close_after_s is not None else 10):
+            while chunk := await stream.receive_some(65536):
+                out += chunk
+    return out
+
+
+def _post(path: str, body: bytes, *, extra: str = "") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+def test_pipelined_requests_on_one_connection_are_answered_in_order(tmp_path):
+    async def client(path: str, events: list[str]) -> None:
+        data = _post("/echo", b'{"x": 1}') + _post("/echo", b'{"x": "two"}') + _post("/echo", b'{"x": 3}',
+                                                                                   extra="connection: close\r\n")
+        out = await _exchange(path, data)
+        assert out.count(b"HTTP/1.1 ") == 3
+        first, second, third = out.split(b"HTTP/1.1 ")[1:]
+        assert first.startswith(b"200 ") and first.endswith(b'{"x":1}')
+        assert second.startswith(b"400 ") and b"$.x" in second
+        assert third.startswith(b"200 ") and third.endswith(b'{"x":3}')
+
+    _serve(tmp_path, client)
+
+
+@pytest.mark.parametrize("route", ["/hang", "/hang-stream"])
+def test_a_client_going_away_cancels_its_handler(tmp_path, route):
+    async def client(path: str, events: list[str]) -> None:
+        out = await _exchange(path, _post(route, b"{}"), close_after_s=0.3)
+        assert events and events[0].endswith("started"), events
+        assert (out == b"") == (route == "/hang")  # the stream had sent its head and first line
+        with trio.fail_after(2):
+            while not events[-1].endswith("cancelled"):
+                await trio.sleep(0.01)
+
+    _serve(tmp_path, client)
+
+
+def test_a_streamed_body_past_its_limit_is_413_and_the_server_goes_on(tmp_path):
+    async def client(path: str, events: list[str]) -> None:
+        piece = b"y" * 30_000
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(5)) + b"0\r\n\r\n"
+        head = b"PUT /upload HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        out = await _exchange(path, head + chunked)
+        assert out.startswith(b"HTTP/1.1 413 ") and b"100000-byte limit" in out, out[:300]
+        assert not any(e.startswith("uploaded") for e in events)
+        ok = b"z" * 90_000
+        out = await _exchange(path, b"PUT /upload HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                                    b"content-length: %d\r\n\r\n%s" % (len(ok), ok))
+        assert out.startswith(b"HTTP/1.1 200 ") and out.endswith(b'{"size_bytes":90000}')
+        out = await _exchange(path, b"PUT /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 100001\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 413 ")
+
+    _serve(tmp_path, client)
+
+
+def test_a_bug_after_a_stream_started_ends_that_connection_only(tmp_path):
+    async def client(path: str, events: list[str]) -> None:
+        out = await _exchange(path, _post("/broken-stream", b""))
+        assert out.startswith(b"HTTP/1.1 200 ") and b"partial" in out
+        assert not out.endswith(b"0\r\n\r\n")  # no clean end: the client sees the answer broke off
+        out = await _exchange(path, _post("/echo", b"", extra="connection: close\r\n"))
+        assert out.startswith(b"HTTP/1.1 200 ")
+
+    _serve(tmp_path, client)
+
+
+def test_wrong_method_is_405_unknown_path_404_and_errors_are_clipped(tmp_path):
+    async def client(path: str, events: list[str]) -> None:
+        out = await _exchange(path, b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 405 ")
+        out = await _exchange(path, _post("/nope", b"", extra="connection: close\r\n"))
+        assert out.startswith(b"HTTP/1.1 404 ")
+        out = await _exchange(path, _post("/echo", b'{"' + b"k" * 200_000 + b'": 1}', extra="connection: close\r\n"))
+        assert out.startswith(b"HTTP/1.1 400 ") and len(out) < 1500, out[:300]
+
+    _serve(tmp_path, client)
+
+
+def test_http_errors_and_answers_are_the_wire_types():
+    err = HTTPError(409, "wrong_state", "is paused")
+    assert (err.status, err.kind) == (409, "wrong_state")
+    from weenv.provision._http import error_response
+
+    body = msgspec.json.decode(error_response(400, "bad_request", "x" * 5000).body, type=wire.ErrorBody)
+    assert body.error.kind == "bad_request" and len(body.error.message) < 1100 and body.error.status is None
+
+
+def test_answer_structs_cover_what_the_daemon_records_hold(tmp_path):
+    """A field added to an env or snapshot record must be added to its wire answer (or it is dropped)."""
+    from weenv.provision._snapshots import SnapshotRecord
+    from weenv.provision._state import EnvRecord
+
+    rec = EnvRecord(id="e-1", name="e", status="running", lock={"groups": [{"name": "os"}]})
+    public = rec.public(str(tmp_path))
+    assert set(public) | {"resources"} == set(wire.EnvInfo.__struct_fields__)
+    msgspec.convert({**public, "resources": None}, wire.EnvInfo)
+    snap = SnapshotRecord(id="snap-1", source_env="e-1", lock={"name": "p"})
+    assert set(snap.public()) == set(wire.SnapshotInfo.__struct_fields__)
+    msgspec.convert({**snap.public(), "lock": snap.lock}, wire.SnapshotDetail)
+    from weenv.provision._files import FileInfo
+    from weenv.provision._runtime import ExecResult
+
+    assert FileInfo.__struct_fields__ == wire.FileInfo.__struct_fields__
+    assert ExecResult.__struct_fields__ == wire.ExecResult.__struct_fields__

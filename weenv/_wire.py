@@ -237,6 +237,8 @@ class SnapshotInfo(ResponseBody):
     build_key: str | None = None
     diff_bytes: int = 0
     cpu_quota_cores: float | None = None
+    fork: bool = False
+    """Made by fork: gc collects it once no env started from it is left."""
 
 
 class SnapshotDetail(SnapshotInfo, kw_only=True):

@@ -296,7 +296,6 @@ class Daemon:
 
         @r.route("GET", "/v1/ping")
         async def ping(req: Request) -> Response:
-            req.query_as(wire.NoQuery)
             return json_response(wire.Ping(pid=os.getpid(), version=__version__, envs=len(m.envs),
                                            uptime_s=time.time() - self.started_s))
 
@@ -331,7 +330,6 @@ class Daemon:
 
         @r.route("GET", "/v1/snapshots")
         async def snapshots(req: Request) -> Response:
-            req.query_as(wire.NoQuery)
             return json_response(msgspec.convert([s.public() for s in m.snapshots.list()], list[wire.SnapshotInfo]))
 
         @r.route("GET", "/v1/snapshots/{id}")
@@ -346,7 +344,6 @@ class Daemon:
 
         @r.route("GET", "/v1/envs")
         async def ps(req: Request) -> Response:
-            req.query_as(wire.NoQuery)
             top = self.monitor.snapshot().get("envs", {})
             return json_response([self._env_info(rec, top.get(rec.id)) for rec in m.envs.values()
                                   if rec.status != "pooled" and rec.id not in m.pool_starting])
@@ -394,17 +391,18 @@ class Daemon:
                 return Response(200, wire.encode(result))
             return StreamResponse(partial(self._exec_stream, env_id, argv, kw))
 
-        @r.route("GET", "/v1/envs/{id}/files")
+        @r.route("GET", "/v1/envs/{id}/files", query=wire.FilesQuery)
         async def files_get(req: Request) -> Response:
-            q = req.query_as(wire.FilesQuery)
+            q: wire.FilesQuery = req.q
             out = await call(m.files(req.params["id"], q.op, q.path, user=q.user))
             if q.op == "read":
                 return Response(200, out, "application/octet-stream")
             return Response(200, wire.encode(out))
 
-        @r.route("PUT", "/v1/envs/{id}/files", stream_body=True, max_body_bytes=wire.MAX_UPLOAD_BYTES)
+        @r.route("PUT", "/v1/envs/{id}/files", query=wire.FilesWriteQuery, stream_body=True,
+                 max_body_bytes=wire.MAX_UPLOAD_BYTES)
         async def files_put(req: Request) -> Response:
-            q = req.query_as(wire.FilesWriteQuery)
+            q: wire.FilesWriteQuery = req.q
             size = 0
 
             def chunks() -> Iterator[bytes]:
@@ -418,15 +416,15 @@ class Daemon:
                                mode=q.mode_bits(0o644), user=q.user))
             return json_response(wire.PathDone(path=q.path, size_bytes=size))
 
-        @r.route("POST", "/v1/envs/{id}/files/mkdir")
+        @r.route("POST", "/v1/envs/{id}/files/mkdir", query=wire.FilesWriteQuery)
         async def files_mkdir(req: Request) -> Response:
-            q = req.query_as(wire.FilesWriteQuery)
+            q: wire.FilesWriteQuery = req.q
             await call(m.files(req.params["id"], "mkdir", q.path, mode=q.mode_bits(0o755), user=q.user))
             return json_response(wire.PathDone(path=q.path))
 
-        @r.route("DELETE", "/v1/envs/{id}/files")
+        @r.route("DELETE", "/v1/envs/{id}/files", query=wire.FilesRemoveQuery)
         async def files_delete(req: Request) -> Response:
-            q = req.query_as(wire.FilesRemoveQuery)
+            q: wire.FilesRemoveQuery = req.q
             await call(m.files(req.params["id"], "remove", q.path, recursive=q.recursive == "1"))
             return json_response(wire.PathDone(path=q.path))
 
@@ -437,34 +435,13 @@ class Daemon:
 
         @r.route("GET", "/v1/top")
         async def top(req: Request) -> Response:
-            req.query_as(wire.NoQuery)
             trees = m.layer_trees.stats() if m.layer_trees is not None else None
             return json_response({**self.monitor.snapshot(), "statistics": msgspec.to_builtins(self.monitor.statistics()),
-                                  "layer_trees": trees, "network": await m.net.counters()})
-
-        @r.route("GET", "/v1/envs/{id}/network")
-        async def network_show(req: Request) -> Response:
-            rec = await call(_sync(m.get, req.params["id"]))
-            return json_response(await m.net.info(rec.id))
-
-        @r.route("POST", "/v1/envs/{id}/network")
-        async def network_change(req: Request) -> Response:
-            """Body ``{"allow": [...], "deny": [...], "remove": [...]}``: the running env's new policy."""
-            rec = await call(_sync(m.get, req.params["id"]))
-            if rec.status not in ("running", "paused"):
-                raise HTTPError(409, "wrong_state", f"env {rec.id} is {rec.status}")
-            if rec.id not in m.net.states:
-                raise HTTPError(409, "wrong_state", f"env {rec.id} has no egress network")
-            try:
-                info = await m.net.change_from_body(rec.id, os.path.join(self.envs_dir, rec.id), req.body)
-            except ValueError as e:
-                raise HTTPError(400, "bad_request", f"network change: {e}") from None
-            return json_response(info)
+                                  "layer_trees": trees})
 
         @r.route("GET", "/v1/metrics")
         async def metrics(req: Request) -> Response:
-            text = self.monitor.prometheus_text() + await m.net.prometheus_text()
-            return Response(200, text, PROMETHEUS_CONTENT_TYPE)
+            return Response(200, self.monitor.prometheus_text(), PROMETHEUS_CONTENT_TYPE)
 
     def _env_info(self, rec: Any, resources: dict[str, Any] | None = None) -> wire.EnvInfo:
         return msgspec.convert({**rec.public(self.envs_dir), "resources": resources}, wire.EnvInfo)

@@ -31,7 +31,7 @@ import msgspec
 import trio
 
 from .._unixsock import bind_unix
-from .._wire import MAX_JSON_BODY_BYTES, ErrorBody, ErrorInfo, decode, encode
+from .._wire import MAX_JSON_BODY_BYTES, ErrorBody, ErrorInfo, NoQuery, decode, encode
 
 log = logging.getLogger("weenv.daemon")
 _READ = 65536
@@ -102,6 +102,8 @@ class Request:
     headers: dict[str, str]
     body: bytes = b""
     params: dict[str, str] = field(default_factory=dict)
+    q: Any = None
+    """The query parameters decoded as the route's ``query`` Struct (set before the handler runs)."""
     _reader: "_BodyReader | None" = None
 
     def decode(self, cls: type[T]) -> T:
@@ -177,18 +179,20 @@ class Route:
     handler: Handler
     max_body_bytes: int = MAX_JSON_BODY_BYTES
     stream_body: bool = False
+    query: type = NoQuery
 
 
 class Router:
     def __init__(self) -> None:
         self.routes: list[Route] = []
 
-    def route(self, method: str, pattern: str, *, max_body_bytes: int = MAX_JSON_BODY_BYTES,
+    def route(self, method: str, pattern: str, *, query: type = NoQuery, max_body_bytes: int = MAX_JSON_BODY_BYTES,
               stream_body: bool = False) -> Callable[[Handler], Handler]:
+        """``query``: the Struct the query string must decode to (``req.q``); none by default."""
         rx = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", pattern) + "$")
 
         def deco(fn: Handler) -> Handler:
-            self.routes.append(Route(method, rx, fn, max_body_bytes, stream_body))
+            self.routes.append(Route(method, rx, fn, max_body_bytes, stream_body, query))
             return fn
 
         return deco
@@ -214,6 +218,7 @@ class Router:
         if isinstance(found, Response):
             return found
         route, req.params = found
+        req.q = req.query_as(route.query)
         return await route.handler(req)
 
 
@@ -353,7 +358,8 @@ class Server:
 
     async def _watch(self, conn: h11.Connection, stream: trio.SocketStream, scope: trio.CancelScope,
                      req: Request) -> None:
-        """Cancel ``scope`` when the client closes (or resets) the connection.
+        """Cancel ``scope`` when the client closes (or resets) the connection. A client that only
+        half-closes (``shutdown(SHUT_WR)``) after its request looks the same and is taken as gone.
 
         Bytes of a pipelined next request are handed to h11, which keeps them for the next cycle;
         past a bound the watcher stops reading (and so stops noticing a disconnect) rather than
@@ -372,6 +378,7 @@ class Server:
 
     async def _handle(self, route: Route, req: Request) -> Response | StreamResponse:
         try:
+            req.q = req.query_as(route.query)
             return await route.handler(req)
         except HTTPError as e:
             return error_response(e.status, e.kind, e.message)
