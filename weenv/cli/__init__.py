@@ -21,5 +21,6 @@ from . import _envlet  # noqa: E402,F401
 from . import _env  # noqa: E402,F401
 from . import _daemonctl  # noqa: E402,F401
 from . import _top  # noqa: E402,F401
+from . import _net  # noqa: E402,F401
 from . import _package  # noqa: E402,F401
 from . import _demo  # noqa: E402,F401

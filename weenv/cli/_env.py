@@ -73,13 +73,24 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
 @click.option("--layer-trees-size", type=SIZE, default=None,
               help="Disk the layer directories may take (least recently used unstacked ones go first) "
                    "[default: 16GiB, or $WEENV_LAYER_TREES_SIZE].")
+@click.option("--egress-interface", "egress_interfaces", multiple=True, metavar="IFACE",
+              help="An interface traffic of network = egress envs may leave the node by (repeatable); "
+                   "none named: egress envs reach only the node's allowed ports (docs/network.md).")
+@click.option("--egress-range", default=None, metavar="CIDR",
+              help="Node-local range of egress env addresses, a /30 each [default: 10.213.0.0/16].")
+@click.option("--egress-table", default=None, metavar="NAME",
+              help="nftables table (inet) holding weenv's rules; nothing else is touched [default: weenv].")
+@click.option("--egress-dns", default=None, metavar="ADDR[:PORT]",
+              help="DNS server that resolves the host names in allow lists [default: the node's resolver].")
 @click.option("--debug", is_flag=True)
 @click.pass_context
 def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
                hold_s: float, cpu_throttle_up: float, cpu_low: float, memory_high_water: float,
                memory_low_water: float, memory_pressure_up: float, memory_headroom: int, node_reserve: int,
                cpu_burst_budget: float | None, cpu_min_overcommit: float, memory_burst_reservation: bool,
-               layer_trees_after: int | None, layer_trees_size: int | None, debug: bool) -> None:
+               layer_trees_after: int | None, layer_trees_size: int | None, debug: bool,
+               egress_interfaces: tuple[str, ...] = (), egress_range: str | None = None,
+               egress_table: str | None = None, egress_dns: str | None = None) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
     `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
@@ -111,6 +122,10 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
         config.layer_trees_after = layer_trees_after
     if layer_trees_size is not None:
         config.layer_trees_size_bytes = layer_trees_size
+    config.egress_interfaces = list(egress_interfaces)
+    for name, value in (("egress_range", egress_range), ("egress_table", egress_table), ("egress_dns", egress_dns)):
+        if value is not None:
+            setattr(config, name, value)
     serve(config, debug=debug)
 
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from ..net._policy import BANDWIDTH_PATTERN
 from ._ref import _DOMAIN, _REPO, DIGEST_PATTERN, REF_PATTERN
 
 MiB = 1024**2
@@ -37,7 +38,7 @@ LOCK_VERSION = 1
 
 GROUP_CLASSES: tuple[str, ...] = ("os", "toolchain", "harness", "evaluator", "task")
 """Change-rate classes, bottom first: groups are listed in this order (equal classes may repeat)."""
-NETWORKS: tuple[str, ...] = ("none", "loopback", "host")
+NETWORKS: tuple[str, ...] = ("none", "loopback", "egress", "host")
 
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -60,6 +61,7 @@ PATTERN_DESCRIPTIONS: dict[str, str] = {
     SNAPSHOT_PATTERN: "a snapshot id (letters, digits and . _ : -)",
     REGISTRY_PATTERN: "a registry host such as registry.example.com:5000",
     REPO_PATTERN: "a repository path such as team/harness",
+    BANDWIDTH_PATTERN: "a rate such as '100Mbit', '1.5Gbit' or '800kbit'",
 }
 """Words for each pattern, used in error messages instead of the regular expression."""
 
@@ -83,7 +85,10 @@ MemorySize = Annotated[int, Meta(ge=MIN_MEMORY_BYTES, extra=SIZE_UNIT,
 DiskSize = Annotated[int, Meta(ge=MIN_DISK_BYTES, extra=SIZE_UNIT,
                                description='Bytes, or a size such as "512MiB", "2GiB", "1.5G".')]
 GroupClass = Literal["os", "toolchain", "harness", "evaluator", "task"]
-Network = Literal["none", "loopback", "host"]
+Network = Literal["none", "loopback", "egress", "host"]
+NetworkEntry = Annotated[str, Meta(min_length=1, max_length=300, description=(
+    '"CIDR[:ports]", "host.name[:ports]" or "node[:ports]"; ports: N or N-M (tcp and udp).'))]
+MAX_NETWORK_ENTRIES = 1024
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -149,6 +154,23 @@ class Mount(_Strict, kw_only=True):
     target: Annotated[AbsPath, Meta(description="Path inside the environment; not /, /proc, /sys or /dev.")]
 
 
+class NetworkPolicy(_Strict, kw_only=True):
+    """The ``[network]`` table: the mode and, for ``egress``, what the env may reach (docs/network.md)."""
+
+    mode: Annotated[Network, Meta(description=(
+        "none (default) | loopback | egress: own address, NAT through the node, only what allow names | "
+        "host (trusted build steps only)."))] = DEFAULT_NETWORK
+    allow: Annotated[list[NetworkEntry], Meta(max_length=MAX_NETWORK_ENTRIES, description=(
+        "What an egress env may reach; everything else is dropped by the kernel."))] = []
+    deny: Annotated[list[NetworkEntry], Meta(max_length=MAX_NETWORK_ENTRIES, description=(
+        "Dropped even when allow covers it."))] = []
+    bandwidth: Annotated[str, Meta(pattern=BANDWIDTH_PATTERN, description=(
+        'Rate limit of each direction, e.g. "100Mbit".'))] | None = None
+    dns: Annotated[Literal["node", "none"], Meta(description=(
+        "node: a resolver on the env's gateway that answers only allowed host names; none: no resolver. "
+        "Default: node when allow names a host, else none."))] | None = None
+
+
 class Plan(_Strict, kw_only=True):
     """A weenv environment plan: what to run (groups, bottom first) and how (env, limits)."""
 
@@ -163,8 +185,9 @@ class Plan(_Strict, kw_only=True):
         "argv of the long-lived process; default weenv's tiny idle init."
     ))] | None = None
     resources: Resources = Resources()
-    network: Annotated[Network, Meta(description=(
+    network: Annotated[Network | NetworkPolicy, Meta(description=(
         "none: an empty network namespace; loopback: the same with lo up (127.0.0.1 works); "
+        "egress: a table with allow/deny lists (docs/network.md); "
         "host: the node's own network (egress, for trusted build and packaging steps only)."
     ))] = DEFAULT_NETWORK
     ttl_s: Annotated[float, Meta(gt=0, description="Seconds until the env is killed; default: no TTL.")] | None = None
@@ -192,6 +215,12 @@ class ResolvedGroup(msgspec.Struct, frozen=True, kw_only=True):
     toc_digest: str
     registry: str | None
     repo: str
+
+
+def network_policy(plan: Plan) -> NetworkPolicy:
+    """The plan's network as a table, whether it was written short (``network = "none"``) or not."""
+    net = plan.network
+    return net if isinstance(net, NetworkPolicy) else NetworkPolicy(mode=net)  # type: ignore[arg-type]
 
 
 def group_class_rank(group_class: str) -> int:

@@ -19,7 +19,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from ._errors import Problem
-from ._model import GROUP_CLASSES, NETWORKS, PATTERN_DESCRIPTIONS, LockedGroup, Plan, group_class_rank
+from ._model import GROUP_CLASSES, NETWORKS, PATTERN_DESCRIPTIONS, LockedGroup, NetworkPolicy, Plan, group_class_rank
 from ._ref import parse_ref
 from ._units import human_size
 from ._walk import (Segment, child_type, convert_ok, dict_item_types, format_location, is_size,
@@ -147,6 +147,8 @@ def translate_error(err: msgspec.ValidationError, raw: Any, root_cls: type, fmt:
         return Problem(format_location([*segments, mm[1]]), text)
     if (mm := re.match(r"Invalid enum value (.+)$", msg)):
         base = unwrap(t)[0] if t is not None else None
+        if isinstance(base, mi.UnionType):  # network = "…" | [network]: the string choices
+            base = next((unwrap(m)[0] for m in base.types if isinstance(unwrap(m)[0], mi.LiteralType)), None)
         values = [str(v) for v in base.values] if isinstance(base, mi.LiteralType) else []
         for ordered in (GROUP_CLASSES, NETWORKS):  # msgspec sorts choices; say them in their own order
             if set(ordered) == set(values):
@@ -261,6 +263,36 @@ def check_plan(plan: Plan) -> list[Problem]:
             add(Problem(f"mounts[{i}].target", f"{target!r} is already mounted by mounts[{targets[target]}]"))
         else:
             targets[target] = i
+    problems += _network_problems(plan)
+    return problems
+
+
+def _network_problems(plan: Plan) -> list[Problem]:
+    """The ``[network]`` table: entries in the allow/deny grammar, egress-only fields only with egress."""
+    from ..net._policy import parse_entry
+
+    net = plan.network
+    if not isinstance(net, NetworkPolicy):
+        return []
+    problems = []
+    for name in ("allow", "deny"):
+        for i, text in enumerate(getattr(net, name)):
+            try:
+                parse_entry(text)
+            except ValueError as e:
+                problems.append(Problem(f"network.{name}[{i}]", str(e)))
+    if net.mode != "egress":
+        for name in ("allow", "deny", "bandwidth", "dns"):
+            if getattr(net, name) not in (None, []):
+                problems.append(Problem(f"network.{name}", (
+                    f"only for mode = \"egress\" (mode is {net.mode!r}: the env has no route out to filter)")))
+    if net.bandwidth is not None:
+        from ..net._policy import parse_bandwidth
+
+        try:
+            parse_bandwidth(net.bandwidth)
+        except ValueError as e:
+            problems.append(Problem("network.bandwidth", str(e)))
     return problems
 
 

@@ -74,6 +74,14 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
         default_factory=lambda: _int_env("WEENV_LAYER_TREES_AFTER", 3))
     layer_trees_size_bytes: int = msgspec.field(
         default_factory=lambda: _size_env("WEENV_LAYER_TREES_SIZE", 16 << 30))
+    # egress envs (docs/network.md): their traffic leaves the node only by these interfaces (none
+    # named: they reach nothing beyond the node's allowed ports); addresses from egress_range; rules
+    # in the nft table inet <egress_table>; allowed host names resolved by egress_dns (ADDR[:PORT],
+    # None: the node's resolver)
+    egress_interfaces: list[str] = []
+    egress_range: str = "10.213.0.0/16"
+    egress_table: str = "weenv"
+    egress_dns: str | None = None
 
 
 def _size_env(name: str, default: int) -> int:
@@ -146,6 +154,10 @@ class Daemon:
                                   monitor=self.monitor, envlet=self.envlet)
         if c.layer_trees_after > 0:
             self.manager.enable_layer_trees(after=c.layer_trees_after, budget_bytes=c.layer_trees_size_bytes)
+        from ..net._egress import EgressNetwork
+
+        self.manager.net = EgressNetwork(table=c.egress_table, egress_range=c.egress_range,
+                                         egress_interfaces=c.egress_interfaces, dns_server=c.egress_dns)
         self.started_s = time.time()
         self._nursery: trio.Nursery | None = None
         self._stop = trio.Event()  # set by SIGTERM/SIGINT or POST /v1/daemon/stop
@@ -197,6 +209,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.manager.nursery = nursery
+            self.manager.net.start(nursery, lambda env_id: os.path.join(self.envs_dir, env_id))
             self.manager.pool_size = self.config.pool_size
             if self.config.pool_size:
                 nursery.start_soon(self.manager.pool_janitor, self.config.pool_idle_s)
@@ -437,11 +450,31 @@ class Daemon:
         async def top(req: Request) -> Response:
             trees = m.layer_trees.stats() if m.layer_trees is not None else None
             return json_response({**self.monitor.snapshot(), "statistics": msgspec.to_builtins(self.monitor.statistics()),
-                                  "layer_trees": trees})
+                                  "layer_trees": trees, "network": await m.net.counters()})
+
+        @r.route("GET", "/v1/envs/{id}/network")
+        async def network_show(req: Request) -> Response:
+            rec = await call(_sync(m.get, req.params["id"]))
+            return json_response(await m.net.info(rec.id))
+
+        @r.route("POST", "/v1/envs/{id}/network")
+        async def network_change(req: Request) -> Response:
+            """Body ``{"allow": [...], "deny": [...], "remove": [...]}``: the running env's new policy."""
+            rec = await call(_sync(m.get, req.params["id"]))
+            if rec.status not in ("running", "paused"):
+                raise HTTPError(409, "wrong_state", f"env {rec.id} is {rec.status}")
+            if rec.id not in m.net.states:
+                raise HTTPError(409, "wrong_state", f"env {rec.id} has no egress network")
+            try:
+                info = await m.net.change_from_body(rec.id, os.path.join(self.envs_dir, rec.id), req.body)
+            except ValueError as e:
+                raise HTTPError(400, "bad_request", f"network change: {e}") from None
+            return json_response(info)
 
         @r.route("GET", "/v1/metrics")
         async def metrics(req: Request) -> Response:
-            return Response(200, self.monitor.prometheus_text(), PROMETHEUS_CONTENT_TYPE)
+            text = self.monitor.prometheus_text() + (await m.net.prometheus_text()).encode()
+            return Response(200, text, PROMETHEUS_CONTENT_TYPE)
 
     def _env_info(self, rec: Any, resources: dict[str, Any] | None = None) -> wire.EnvInfo:
         return msgspec.convert({**rec.public(self.envs_dir), "resources": resources}, wire.EnvInfo)

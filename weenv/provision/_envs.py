@@ -23,6 +23,7 @@ import trio
 from .. import _home, layerfmt
 from ..envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
 from ..plan import Lock, LockedGroup, Plan, apply_overrides, is_locked, plan_to_builtins
+from ..plan._model import network_policy
 from ..registry import LayoutStore
 from . import _mounts, _state
 from ._errors import (
@@ -133,6 +134,7 @@ class EnvManager:
         self.trees_dir = os.path.join(os.path.dirname(envs_dir), "snapshot-trees")
         self.layer_trees: LayerTrees | None = None  # hot group layers as directories (enable_layer_trees)
         self._trees_in_progress: set[str] = set()
+        self.net: Any = None  # weenv.net EgressNetwork (set by the daemon): egress envs need it
         self._forking: set[str] = set()  # fork snapshots whose children are being started (gc keeps them)
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
         os.makedirs(self.trees_dir, mode=0o700, exist_ok=True)
@@ -329,10 +331,15 @@ class EnvManager:
             paths[i] = info.path
 
         mark = _Stopwatch(rec.timings_ms)
+        netpol = network_policy(lock)
+        if netpol.mode == "egress" and self.net is None:
+            raise EnvStartError("network = egress: this daemon has no egress networking", env_id=rec.id)
         async with trio.open_nursery() as n:
             for i in range(len(layers)):
                 if paths[i] is None:
                     n.start_soon(register, i)
+            if netpol.mode == "egress":  # wired while the layers register: adds nothing to the start
+                n.start_soon(self._network_up, rec.id, netpol, errors)
         if errors:
             raise errors[0]
         self._save(rec)  # a daemon dying from here on must find the layer references to release
@@ -368,7 +375,9 @@ class EnvManager:
                 agent = {"agent_path": self.agent_path, "agent_socket": sock_path}
             return prepare_bundle(
                 _state.bundle_path(self.envs_dir, rec.id), env_id=rec.id, rootfs=rootfs,
-                host=getattr(self.runtime, "host", None), network=lock.network, args=lock.init, env=dict(lock.env),
+                host=getattr(self.runtime, "host", None), network=netpol.mode, args=lock.init, env=dict(lock.env),
+                netns_path=self.net.netns_path(rec.id) if netpol.mode == "egress" else None,
+                nameserver=self.net.nameserver(rec.id) if netpol.mode == "egress" else None,
                 cwd=lock.workdir or "/", user=user,
                 bind_mounts=[BindMount(source=m.source, destination=m.target) for m in lock.mounts], **agent,
             )
@@ -396,6 +405,16 @@ class EnvManager:
                 if digest not in rec.trees:
                     register, unregister = self._tree_source(spec, digest, size, toc, repo)
                     self.layer_trees.note_start(digest, size, register, unregister, copy=self.envlet.extract)
+
+    async def _network_up(self, env_id: str, netpol: Any, errors: list[Exception]) -> None:
+        from ..net import PolicyError, parse_policy
+        from ..net._host import NetError
+
+        try:
+            policy = parse_policy(netpol.allow, netpol.deny, netpol.bandwidth, netpol.dns)
+            await self.net.up(env_id, _state.env_dir(self.envs_dir, env_id), policy)
+        except (NetError, PolicyError, ValueError) as e:
+            errors.append(EnvStartError(f"network: {e}", env_id=env_id))
 
     def _tree_source(self, spec: StoreSpec, digest: str, size: int, toc: str, repo: str
                      ) -> tuple[Callable[[], tuple[str, str]], Callable[[str], None]]:
@@ -450,6 +469,8 @@ class EnvManager:
                     problems.append(str(e))
 
         await trio.to_thread.run_sync(unmount_all)
+        if self.net is not None:  # after the processes are gone: nothing holds the namespace
+            problems += await self.net.down(env_id, _state.env_dir(self.envs_dir, env_id))
         for name in list(rec.layers):
             try:
                 await trio.to_thread.run_sync(self.envlet.unregister, name)
@@ -771,6 +792,8 @@ class EnvManager:
                     self.monitor.add(env_id, cg, env_limits(self.lock_of(rec)), adopt=True)
                     if await trio.to_thread.run_sync(cg.is_frozen):
                         rec.status = "paused"
+                    if self.net is not None:
+                        await self.net.adopt(env_id, _state.env_dir(self.envs_dir, env_id))
                     self.envs[env_id] = rec
                     adopted.append(env_id)
                     continue
@@ -823,6 +846,8 @@ class EnvManager:
                     lambda: shutil.rmtree(os.path.join(self.envs_dir, env_id), ignore_errors=True))
                 out["dirs"].append(env_id)
         out["layers"] = await self._gc_layers()
+        if self.net is not None:
+            out["network"] = await self.net.gc(live)
         out["snapshots"] = self._gc_fork_snapshots()
         used = {self.tree_path(layer.digest) for snap in self.snapshots.list() for layer in snap.layers}
         used |= {self.tree_path(x["digest"]) for env in self.envs.values() for x in env.snapshot_layers}

@@ -45,7 +45,7 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: soft, hard
 DEFAULT_NOFILE = (1024, 524288)
 
-NETWORK_MODES = ("none", "loopback", "host")
+NETWORK_MODES = ("none", "loopback", "egress", "host")
 
 #: Annotation keys the runtime reads back from a container's config.
 ANNOTATION_ENV_ID = "org.weenv.env-id"
@@ -304,6 +304,7 @@ def build_spec(
     annotations: Mapping[str, str] | None = None,
     agent_path: str | None = None,
     agent_socket: str | None = None,
+    netns_path: str | None = None,
 ) -> dict:
     """The complete ``config.json`` for one env.
 
@@ -311,11 +312,14 @@ def build_spec(
     ``args`` the plan's own init runs instead and ``init_path`` may be None. ``etc_dir`` holds
     ``hosts``, ``hostname`` and ``resolv.conf`` (see :func:`render_etc_files`). ``env`` is laid
     over PATH, HOSTNAME and HOME; ``cwd`` and ``user`` are the defaults for every exec too.
+    ``netns_path`` (required for ``network = "egress"``): the network namespace weenv.net wired.
     """
     if not env_id or "/" in env_id or "\0" in env_id or len(env_id) > 64:
         raise SpecError(f"env id {env_id!r} must be 1-64 characters without '/' or NUL")
     if network not in NETWORK_MODES:
         raise SpecError(f"network must be one of {', '.join(NETWORK_MODES)}, got {network!r}")
+    if (network == "egress") != (netns_path is not None):
+        raise SpecError("network = egress needs the path of its network namespace (and only it takes one)")
     use_agent = args is None and agent_path is not None and agent_socket is not None
     default_user = user
     if use_agent:
@@ -396,7 +400,8 @@ def build_spec(
     note.update(annotations or {})
     linux: dict = {
         # network = host shares the node's network namespace (explicit opt-in, for trusted builds)
-        "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")
+        "namespaces": [{"type": t, **({"path": netns_path} if t == "network" and netns_path else {})}
+                       for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")
                        if not (t == "network" and network == "host")],
         "maskedPaths": list(MASKED_PATHS),
         "readonlyPaths": list(READONLY_PATHS),
@@ -420,9 +425,10 @@ def build_spec(
 ETC_FILES = ("hosts", "hostname", "resolv.conf")
 
 
-def render_etc_files(env_id: str, network: str) -> dict[str, bytes]:
+def render_etc_files(env_id: str, network: str, nameserver: str | None = None) -> dict[str, bytes]:
     """Contents of the env's /etc/hosts, /etc/hostname and /etc/resolv.conf. With no network
-    beyond loopback there is no resolver; the file says so rather than pointing at one."""
+    beyond loopback there is no resolver; the file says so rather than pointing at one. An egress
+    env with ``dns = "node"`` gets ``nameserver``: its gateway, which answers only allowed names."""
     if network not in NETWORK_MODES:
         raise SpecError(f"network must be one of {', '.join(NETWORK_MODES)}, got {network!r}")
     hosts = (
@@ -431,6 +437,8 @@ def render_etc_files(env_id: str, network: str) -> dict[str, bytes]:
         f"127.0.1.1\t{env_id}\n"
     )
     resolv = f"# weenv: network={network}, no DNS resolver in this env\n"
+    if nameserver is not None:
+        resolv = f"# weenv: network={network}, a resolver that answers only allowed names\nnameserver {nameserver}\n"
     if network == "host":
         try:
             with open("/etc/resolv.conf", "rb") as f:

@@ -1,0 +1,137 @@
+"""The "outside world" of egress tests, entirely on this machine.
+
+:class:`Outside` makes a network namespace ``wtest-out-<pid>`` holding 198.18.0.1 and 198.18.0.3
+(198.18.0.0/15 is reserved for benchmarking) behind a veth whose host end (198.18.0.2) is the
+test daemon's only ``--egress-interface``. HTTP servers listen on 198.18.0.1:8000, 198.18.0.1:8001
+and 198.18.0.3:8000, each serving ``/id`` (its own address and port) and ``/big`` (a few MiB); a
+DNS server on 198.18.0.1:53 answers ``svc.test`` → 198.18.0.1 and ``other.test`` → 198.18.0.3.
+Every denied target of a test is one of these, so a policy bug cannot send a packet off the
+machine. :meth:`Outside.close` stops the servers (by PID) and removes the namespace and veth.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+OUT_A, OUT_HOST, OUT_B = "198.18.0.1", "198.18.0.2", "198.18.0.3"
+PORT, OTHER_PORT = 8000, 8001
+BIG_BYTES = 6 << 20
+NAMES = {"svc.test": OUT_A, "other.test": OUT_B}
+
+_DNS_SERVER = r"""
+import socket, sys
+import dns.message, dns.rrset, dns.rcode
+names = dict(a.split('=') for a in sys.argv[2:])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 53))
+while True:
+    data, peer = s.recvfrom(4096)
+    q = dns.message.from_wire(data); r = dns.message.make_response(q)
+    name = q.question[0].name.to_text(omit_final_dot=True)
+    if name in names:
+        r.answer.append(dns.rrset.from_text(q.question[0].name, 5, 'IN', 'A', names[name]))
+    else:
+        r.set_rcode(dns.rcode.NXDOMAIN)
+    s.sendto(r.to_wire(), peer)
+"""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, check=check)
+
+
+class Outside:
+    def __init__(self) -> None:
+        pid = os.getpid()
+        self.netns = f"wtest-out-{pid}"
+        self.iface = f"wto{pid}"[:15]
+        self.procs: list[subprocess.Popen] = []
+        self.dirs: list[str] = []
+        self.egress_range = f"10.{200 + pid % 50}.{(pid // 50 % 16) * 16}.0/20"
+        self.table = f"wt{pid}"
+
+    def open(self) -> "Outside":
+        _ip("netns", "add", self.netns)
+        _ip("link", "add", self.iface, "type", "veth", "peer", "name", "eth0", "netns", self.netns)
+        _ip("addr", "add", f"{OUT_HOST}/24", "dev", self.iface)
+        _ip("link", "set", self.iface, "up")
+        for a in (OUT_A, OUT_B):
+            _ip("-n", self.netns, "addr", "add", f"{a}/24", "dev", "eth0")
+        _ip("-n", self.netns, "link", "set", "eth0", "up")
+        _ip("-n", self.netns, "link", "set", "lo", "up")
+        for addr, port in ((OUT_A, PORT), (OUT_A, OTHER_PORT), (OUT_B, PORT)):
+            d = tempfile.mkdtemp(prefix="wtest-www-")
+            self.dirs.append(d)
+            with open(os.path.join(d, "id"), "w") as f:
+                f.write(f"{addr}:{port}\n")
+            with open(os.path.join(d, "big"), "wb") as f:
+                f.write(os.urandom(BIG_BYTES))
+            self.procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", self.netns, sys.executable, "-m", "http.server", str(port), "--bind", addr,
+                 "--directory", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", self.netns, sys.executable, "-c", _DNS_SERVER, OUT_A,
+             *(f"{k}={v}" for k, v in NAMES.items())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for addr, port in ((OUT_A, PORT), (OUT_A, OTHER_PORT), (OUT_B, PORT)):
+            while True:
+                p = subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-c",
+                                    f"import socket; socket.create_connection(('{addr}', {port}), 1).close()"],
+                                   capture_output=True)
+                if p.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"outside server {addr}:{port} did not come up")
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        _ip("link", "del", self.iface, check=False)
+        _ip("netns", "del", self.netns, check=False)
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+
+
+def weenv_links(table: str) -> list[str]:
+    """Veths, namespaces and addresses a daemon with nft table ``table`` still holds."""
+    import json
+
+    left = []
+    links = json.loads(_ip("-j", "link", "show", "type", "veth").stdout or b"[]")
+    left += [f"veth {x['ifname']}" for x in links if x.get("ifalias", "").startswith(f"{table}:")]
+    try:
+        left += [f"netns {n}" for n in os.listdir("/run/netns") if n.startswith(f"{table}-")]
+    except FileNotFoundError:
+        pass
+    return left
+
+
+@pytest.fixture(scope="module")
+def outside() -> Iterator[Outside]:
+    if shutil.which("nft") is None:
+        pytest.skip("nftables is not installed (apt-get install nftables)")
+    world = Outside()
+    try:
+        world.open()
+        yield world
+    finally:
+        world.close()

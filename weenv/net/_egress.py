@@ -1,0 +1,388 @@
+"""The node side of egress envs: one :class:`EgressNetwork` per daemon.
+
+For each env with ``mode = "egress"``: a slot of the node-local range (a /30: gateway and env
+address), a network namespace ``<table>-<key>`` with ``eth0`` and ``lo``, a veth ``wv<hex>``
+whose alias ``<table>:<env id>`` lets gc find it after a crash, nftables chains in the daemon's
+table, an optional token bucket per direction, and a resolver on the gateway answering only the
+allowed names. What was set up is written to ``<env dir>/net.json`` *before* it is set up, so a
+daemon that dies at any point leaves a record that teardown or gc can follow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import trio
+
+from . import _dns, _host, _nft
+from ._policy import EgressPolicy, Resolved, change_policy, free_slot, parse_range, policy_from_builtins, slot
+
+log = logging.getLogger("weenv.net")
+
+STATE_FILE = "net.json"
+DEFAULT_RANGE = "10.213.0.0/16"
+DEFAULT_TABLE = "weenv"
+
+
+class NetState(msgspec.Struct, kw_only=True):
+    """What the node holds for one egress env (``<env dir>/net.json``)."""
+
+    env_id: str
+    key: str
+    netns: str
+    veth: str
+    slot: int
+    address: str
+    gateway: str
+    policy: dict[str, Any] = {}
+    resolved: dict[str, list[str]] = {}
+    resolved_s: float = 0.0
+
+    def wiring(self) -> _nft.EnvWiring:
+        return _nft.EnvWiring(key=self.key, veth=self.veth, address=ipaddress.IPv4Address(self.address),
+                              gateway=ipaddress.IPv4Address(self.gateway))
+
+    def public(self) -> dict[str, Any]:
+        return {"mode": "egress", "address": self.address, "gateway": self.gateway, "netns": self.netns,
+                "veth": self.veth, **self.policy, "resolved": self.resolved}
+
+
+class NetChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A policy change: entries to allow, to deny, to drop from both lists."""
+
+    allow: list[str] = []
+    deny: list[str] = []
+    remove: list[str] = []
+
+
+_enc = msgspec.json.Encoder()
+_dec = msgspec.json.Decoder(NetState)
+
+
+def env_key(table: str, env_id: str) -> str:
+    return "e" + hashlib.sha256(f"{table}:{env_id}".encode()).hexdigest()[:10]
+
+
+class EgressNetwork:
+    """Egress networking of one daemon. ``egress_interfaces``: the only interfaces traffic may
+    leave the node by (none: egress envs reach only what is on the node and ``node:`` allows)."""
+
+    def __init__(self, *, table: str = DEFAULT_TABLE, egress_range: str = DEFAULT_RANGE,
+                 egress_interfaces: Iterable[str] = (), dns_server: str | None = None,
+                 refresh_s: float = 300.0):
+        if not table.replace("_", "").isalnum() or not table[0].isalpha() or len(table) > 24:
+            raise ValueError(f"nft table name {table!r}: letters, digits and '_', starting with a letter (≤24)")
+        self.table = table
+        self.range = parse_range(egress_range)
+        self.egress_interfaces = tuple(egress_interfaces)
+        self.dns_server = dns_server
+        self.refresh_s = refresh_s
+        self.states: dict[str, NetState] = {}
+        self.nursery: trio.Nursery | None = None
+        self._dns_scopes: dict[str, trio.CancelScope] = {}
+        self._base_ready = False
+        self._lock = trio.Lock()
+
+    # -- base ---------------------------------------------------------------------------------
+
+    def _check_node(self) -> list[str]:
+        for iface in self.egress_interfaces:
+            if not _host.interface_exists(iface):
+                raise _host.NetError(f"--egress-interface {iface}: no such interface on this node")
+        for iface, cidr in _host.interface_addresses():
+            net = ipaddress.IPv4Interface(cidr).network
+            if net.overlaps(self.range) and not iface.startswith("wv"):
+                raise _host.NetError(f"egress range {self.range} overlaps {cidr} on {iface}: "
+                                     "pick another with --egress-range")
+        guard = []
+        for iface in self.egress_interfaces:  # forwarding is per input interface in IPv4
+            if _host.read_sysctl(f"net/ipv4/conf/{iface}/forwarding") == "0":
+                _host.write_sysctl(f"net/ipv4/conf/{iface}/forwarding", "1")
+                guard.append(iface)
+        state = _nft.parse_table(_host.list_table(self.table))
+        guard += [i for i in state.elements.get("fwd_guard", set()) if i not in guard]
+        return guard
+
+    async def ensure_base(self) -> None:
+        if self._base_ready:
+            return
+        async with self._lock:
+            if self._base_ready:
+                return
+
+            def setup() -> None:
+                guard = self._check_node()
+                _host.nft(_nft.render_base(self.table, self.range, self.egress_interfaces, guard), what="base rules")
+
+            await trio.to_thread.run_sync(setup)
+            self._base_ready = True
+
+    # -- one env ------------------------------------------------------------------------------
+
+    def netns_path(self, env_id: str) -> str | None:
+        st = self.states.get(env_id)
+        return _host.netns_path(st.netns) if st is not None else None
+
+    def nameserver(self, env_id: str) -> str | None:
+        st = self.states.get(env_id)
+        if st is None or policy_from_builtins(st.policy).dns != "node":
+            return None
+        return st.gateway
+
+    async def _resolve(self, policy: EgressPolicy) -> Resolved:
+        out = Resolved()
+        for host in policy.hosts:
+            addrs = await trio.to_thread.run_sync(lambda h=host: _dns.resolve(h, server=self.dns_server))
+            out.addresses[host] = addrs
+        return out
+
+    async def up(self, env_id: str, env_dir: str, policy: EgressPolicy) -> NetState:
+        """Wire a new env; on failure everything done so far is undone by :meth:`down`."""
+        await self.ensure_base()
+        resolved = await self._resolve(policy)
+        key = env_key(self.table, env_id)
+        taken = {s.slot for s in self.states.values()}
+        index = free_slot(self.range, taken)
+        sl = slot(self.range, index)
+        st = NetState(env_id=env_id, key=key, netns=f"{self.table}-{key[1:]}", veth=f"wv{key[1:]}", slot=index,
+                      address=str(sl.address), gateway=str(sl.gateway), policy=policy.to_builtins(),
+                      resolved=resolved.to_builtins(), resolved_s=time.time())
+        self.states[env_id] = st
+        await trio.to_thread.run_sync(self._save, env_dir, st)
+
+        def wire() -> None:
+            _host.create_link(netns=st.netns, veth=st.veth, alias=f"{self.table}:{env_id}", address=st.address,
+                              gateway=st.gateway, prefix=sl.prefix)
+            _host.nft(_nft.render_env(self.table, st.wiring(), policy, resolved, self.range), what="env rules")
+            if policy.bandwidth_bps is not None:
+                _host.set_bandwidth(netns=st.netns, veth=st.veth, bps=policy.bandwidth_bps)
+
+        await trio.to_thread.run_sync(wire)
+        self._serve_dns(st)
+        return st
+
+    @staticmethod
+    def _save(env_dir: str, st: NetState) -> None:
+        os.makedirs(env_dir, mode=0o700, exist_ok=True)
+        tmp = os.path.join(env_dir, f".{STATE_FILE}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(_enc.encode(st))
+        os.replace(tmp, os.path.join(env_dir, STATE_FILE))
+
+    @staticmethod
+    def load(env_dir: str) -> NetState | None:
+        try:
+            with open(os.path.join(env_dir, STATE_FILE), "rb") as f:
+                return _dec.decode(f.read())
+        except (OSError, msgspec.DecodeError):
+            return None
+
+    async def down(self, env_id: str, env_dir: str) -> list[str]:
+        """Remove an env's namespace, veth, rules and resolver; idempotent. Problems found."""
+        st = self.states.pop(env_id, None) or self.load(env_dir)
+        scope = self._dns_scopes.pop(env_id, None)
+        if scope is not None:
+            scope.cancel()
+        if st is None:
+            return []
+
+        def unwire() -> list[str]:
+            problems = []
+            try:
+                state = _nft.parse_table(_host.list_table(self.table))
+                script = _nft.render_env_delete(self.table, st.key, st.veth, state)
+                if script:
+                    _host.nft(script, what="delete env rules")
+            except _host.NetError as e:
+                problems.append(str(e))
+            problems += _host.delete_link(netns=st.netns, veth=st.veth)
+            return problems
+
+        problems = await trio.to_thread.run_sync(unwire)
+        if problems:
+            self.states[env_id] = st  # kept for a later gc
+        else:
+            try:
+                os.unlink(os.path.join(env_dir, STATE_FILE))
+            except FileNotFoundError:
+                pass
+        return [f"network: {p}" for p in problems]
+
+    async def adopt(self, env_id: str, env_dir: str) -> bool:
+        """After a daemon restart: take a running env's network back (its kernel state never went
+        away); rules missing for some reason are put back. False when it has no egress network."""
+        st = self.load(env_dir)
+        if st is None:
+            return False
+        await self.ensure_base()
+        self.states[env_id] = st
+
+        def check() -> None:
+            state = _nft.parse_table(_host.list_table(self.table))
+            if f"o_{st.key}" not in state.chains or st.veth not in state.elements.get("env_out", set()):
+                log.warning("env %s: its egress rules were missing; putting them back", env_id)
+                _host.nft(_nft.render_env(self.table, st.wiring(), policy_from_builtins(st.policy),
+                                          Resolved.from_builtins(st.resolved), self.range), what="env rules")
+
+        await trio.to_thread.run_sync(check)
+        self._serve_dns(st)
+        return True
+
+    async def change(self, env_id: str, env_dir: str, *, allow: list[str] = (),  # type: ignore[assignment]
+                     deny: list[str] = (), remove: list[str] = ()) -> NetState:  # type: ignore[assignment]
+        """A running env's new policy, in force for new connections when this returns."""
+        st = self.states[env_id]
+        policy = change_policy(policy_from_builtins(st.policy), allow=allow, deny=deny, remove=remove)
+        resolved = await self._resolve(policy)
+        await self._apply(env_dir, st, policy, resolved)
+        return st
+
+    async def _apply(self, env_dir: str, st: NetState, policy: EgressPolicy, resolved: Resolved) -> None:
+        await trio.to_thread.run_sync(lambda: _host.nft(
+            _nft.render_policy_change(self.table, st.wiring(), policy, resolved, self.range), what="policy change"))
+        st.policy, st.resolved, st.resolved_s = policy.to_builtins(), resolved.to_builtins(), time.time()
+        await trio.to_thread.run_sync(self._save, env_dir, st)
+        scope = self._dns_scopes.pop(st.env_id, None)
+        if scope is not None:
+            scope.cancel()
+        self._serve_dns(st)
+
+    async def refresh_loop(self, env_dir_of: Any) -> None:
+        """Re-resolve allowed host names every ``refresh_s``; a changed answer re-pins the rules."""
+        while True:
+            await trio.sleep(self.refresh_s)
+            for env_id, st in list(self.states.items()):
+                policy = policy_from_builtins(st.policy)
+                if not policy.hosts:
+                    continue
+                try:
+                    resolved = await self._resolve(policy)
+                except ValueError as e:
+                    log.warning("env %s: re-resolving its allowed names: %s (keeping the old addresses)", env_id, e)
+                    continue
+                if resolved.to_builtins() != st.resolved and env_id in self.states:
+                    await self._apply(env_dir_of(env_id), st, policy, resolved)
+
+    def start(self, nursery: trio.Nursery, env_dir_of: Any) -> None:
+        """The daemon's nursery is up: resolvers of adopted envs, and the name refresh."""
+        self.nursery = nursery
+        for st in self.states.values():
+            if st.env_id not in self._dns_scopes:
+                self._serve_dns(st)
+        nursery.start_soon(self.refresh_loop, env_dir_of)
+
+    async def info(self, env_id: str) -> dict[str, Any]:
+        """The env's network as the API shows it: mode, addresses, policy, pinned names, counters."""
+        st = self.states.get(env_id)
+        if st is None:
+            return {"mode": "not egress"}
+        return {**st.public(), "counters": (await self.counters()).get(env_id, {})}
+
+    async def change_from_body(self, env_id: str, env_dir: str, body: bytes) -> dict[str, Any]:
+        """``POST /v1/envs/{id}/network``: ValueError for a body or entry that is wrong."""
+        try:
+            req = msgspec.json.decode(body or b"{}", type=NetChange)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ValueError(str(e)) from None
+        try:
+            await self.change(env_id, env_dir, allow=req.allow, deny=req.deny, remove=req.remove)
+        except _host.NetError as e:
+            raise ValueError(str(e)) from None
+        return await self.info(env_id)
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    async def counters(self) -> dict[str, dict[str, int]]:
+        if not self.states:
+            return {}
+        text = await trio.to_thread.run_sync(_host.list_table, self.table)
+        state = _nft.parse_table(text)
+        return {env_id: _nft.env_counters(state, st.key) for env_id, st in self.states.items()}
+
+    async def prometheus_text(self) -> str:
+        counts = await self.counters()
+        if not counts:
+            return ""
+        names = {"bytes_out": "Bytes the env sent out (allowed)", "bytes_in": "Bytes of replies to the env",
+                 "connections_allowed": "New connections allowed", "packets_denied": "Packets dropped",
+                 "bytes_denied": "Bytes dropped"}
+        lines = []
+        for field, help_text in names.items():
+            metric = f"weenv_env_egress_{field}_total"
+            lines += [f"# HELP {metric} {help_text}.", f"# TYPE {metric} counter"]
+            lines += [f'{metric}{{env="{env_id}"}} {c[field]}' for env_id, c in sorted(counts.items())]
+        return "\n".join(lines) + "\n"
+
+    # -- gc -----------------------------------------------------------------------------------
+
+    async def gc(self, live: set[str]) -> dict[str, list[str]]:
+        """Remove namespaces, veths and rules of this daemon that no live env owns."""
+        owned = {st.netns for st in self.states.values()}
+        owned_veths = {st.veth for st in self.states.values()}
+        owned_keys = {st.key for st in self.states.values()}
+
+        def sweep() -> dict[str, list[str]]:
+            out: dict[str, list[str]] = {"netns": [], "veths": [], "rules": []}
+            for name, alias in _host.links_with_alias_prefix(f"{self.table}:").items():
+                if name not in owned_veths and alias.split(":", 1)[1] not in live:
+                    _host.delete_link(netns="", veth=name)
+                    out["veths"].append(name)
+            for ns in _host.netns_names(f"{self.table}-"):
+                if ns not in owned:
+                    _host.delete_link(netns=ns, veth="")
+                    out["netns"].append(ns)
+            state = _nft.parse_table(_host.list_table(self.table))
+            lines = []
+            for veth in _nft.stale_elements(state, owned_veths):
+                lines += [f"delete element inet {self.table} {m} {{ \"{veth}\" }}"
+                          for m in ("env_out", "env_in", "env_back", "envs") if veth in state.elements.get(m, set())]
+            for key in sorted(state.keys() - owned_keys):
+                lines.append(_nft.render_env_delete(self.table, key, "", state).strip())
+                out["rules"].append(key)
+            script = "\n".join(x for x in lines if x)
+            if script:
+                _host.nft(script + "\n", what="gc rules")
+            if not self.states and state.chains:
+                _host.delete_table(self.table)  # nothing uses it: the node's ruleset is as before weenv
+                self._base_ready = False
+            return out
+
+        return await trio.to_thread.run_sync(sweep)
+
+    # -- the env's resolver --------------------------------------------------------------------
+
+    def _serve_dns(self, st: NetState) -> None:
+        if self.nursery is None or policy_from_builtins(st.policy).dns != "node":
+            return
+        scope = trio.CancelScope()
+        self._dns_scopes[st.env_id] = scope
+        names = {h: tuple(ipaddress.IPv4Address(a) for a in addrs) for h, addrs in st.resolved.items()
+                 if h in policy_from_builtins(st.policy).allowed_hosts}
+        self.nursery.start_soon(self._dns_task, st.gateway, names, scope)
+
+    async def _dns_task(self, gateway: str, names: dict[str, tuple[ipaddress.IPv4Address, ...]],
+                        scope: trio.CancelScope) -> None:
+        with scope:
+            sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            with sock:
+                try:
+                    await sock.bind((gateway, 53))
+                except OSError as e:
+                    log.error("resolver on %s:53: %s", gateway, e)
+                    return
+                while True:
+                    data, peer = await sock.recvfrom(4096)
+                    reply = _dns.answer(data, names)
+                    if reply is not None:
+                        try:
+                            await sock.sendto(reply, peer)
+                        except OSError:
+                            pass
