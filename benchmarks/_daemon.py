@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tests.fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon
+from weenv.testing import DaemonHandle, busybox_plan, teardown_private_daemon
 
 
 @contextmanager

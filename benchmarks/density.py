@@ -2,7 +2,7 @@
 
     python -m benchmarks.density [--quick] [--node-memory 2GiB] [--cycles 2] [--think-s 60] [--hold-s 1]
 
-The workload (``benchmarks/_rollout.py``, a static binary run by one ``exec`` per env) repeats
+The workload (``weenv/testing/_rollout.py``, a static binary run by one ``exec`` per env) repeats
 ``--cycles`` times: think (sleep U[0.5, 1.5] x ``--think-s``: the model generating), a CPU burst
 (about 0.1 s: compiling, running tests), a transient allocation of U[200, 400] MiB written page by
 page and held ``--hold-s`` (a test suite's peak), freed. Every env gets its own seed (think times
@@ -52,7 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._rollout import parse_result, rollout_binary
+from weenv.testing import parse_rollout_result, rollout_binary
+
 from ._util import Report, arg_parser, percentile
 
 MIB = 1 << 20
@@ -152,7 +153,7 @@ class Node:
         from weenv.plan import load_plan, lock_plan, write_plan
         from weenv.registry import publish, resolve_group
 
-        from ._images import busybox_tree
+        from weenv.testing import busybox_tree
 
         src = busybox_tree(Path(self.home) / "src")
         shutil.copy(rollout_binary(), src / "usr" / "bin" / "rollout")
@@ -372,7 +373,7 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
         out = {"env": env_id, "exit_code": res.exit_code, "stderr": res.stderr.decode(errors="replace")[-300:],
                "timed_out": res.timed_out}
         if res.exit_code == 0:
-            out.update(parse_result(res.stdout.decode()))
+            out.update(parse_rollout_result(res.stdout.decode()))
         return out
 
     oom_node_before = node.node_oom_kills()

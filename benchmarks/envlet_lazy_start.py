@@ -24,12 +24,11 @@ from pathlib import Path
 
 import httpx
 
-from tests.fixtures_registry import start_registry, stop_registry
 from weenv import layerfmt
 from weenv.envlet import EnvletProcess, StoreSpec
-from weenv.testing import BadEntry, cache_root, cached, check_file
+from weenv.testing import BadEntry, busybox_tree, cache_root, cached, check_file, debian_tar, start_registry
+from weenv.testing import stop_registry
 
-from ._images import busybox_tree, debian_tar
 from ._throttle import ThrottleProxy
 from ._util import Report, arg_parser, median
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 from weenv import layerfmt
 from weenv.layerfmt import SourceEntry, build_entries, build_layer
-from weenv.testing import cache_root
+from weenv.testing import cache_root, debian_tar, extracted, source_tree
 
-from ._images import debian_tar, extracted, source_tree
 from ._util import Report, arg_parser, median
 
 

@@ -23,9 +23,8 @@ import psutil
 
 from weenv import layerfmt
 from weenv.envlet import EnvletProcess, StoreSpec
-from weenv.testing import cache_root
+from weenv.testing import busybox_tree, cache_root, debian_tar
 
-from ._images import busybox_tree, debian_tar
 from ._util import Report, arg_parser, median
 
 PY = "python3 -c 'import json, asyncio, sqlite3, email.mime.text, http.client, unittest'"

@@ -3,7 +3,7 @@
     python -m benchmarks.package [--quick]
 
 N small git repositories (generated Python projects, one commit each) are packaged over one base
-(Debian minbase + python3 when benchmarks/_images.py has it cached, else busybox) and published to
+(Debian minbase + python3 when weenv/testing/_images.py has it cached, else busybox) and published to
 a real docker-registry, in the same run as the baseline. Measured:
 
 - weenv: ``weenv package --tasks`` (4 jobs): the base group is published once, then each task
@@ -32,11 +32,9 @@ from pathlib import Path
 
 import zstandard
 
-from tests.fixtures_registry import start_registry, stop_registry
-from weenv.testing import find
+from weenv.testing import check_debian_tar, debian_tar, debian_tar_name, find, start_registry, stop_registry
 
 from ._daemon import bench_daemon
-from ._images import check_debian_tar, debian_tar, debian_tar_name
 from ._util import Report, arg_parser, median
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega value result index count items "
@@ -70,7 +68,7 @@ def base_image() -> tuple[str, Path, str]:
     if find(name, lambda p: check_debian_tar(p, ("python3",))):  # only when built: that needs mmdebstrap, network
         return "debian-minbase+python3", debian_tar(include=("python3",)), "python3 -m compileall -q pkg"
     tmp = Path(tempfile.mkdtemp(prefix="weenv-bench-bb-"))
-    from ._images import busybox_tree
+    from weenv.testing import busybox_tree
 
     root = busybox_tree(tmp / "root")
     tar = tmp / "busybox.tar"

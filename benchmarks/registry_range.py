@@ -19,8 +19,8 @@ import uuid
 import httpx
 
 import weenv.registry as R
-from tests.fixtures_registry import start_registry, stop_registry
 from weenv.registry._oci import sha256_digest
+from weenv.testing import start_registry, stop_registry
 
 from ._util import Report, arg_parser, percentile
 

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from slime_plugin import rollout as plugin_rollout
-from tests.fixtures_slime import FakeSGLang, Sample, sampling_params, slime_args, turns
+from weenv.testing import FakeSGLang, Sample, sampling_params, slime_args, turns
 
 from ._daemon import bench_daemon
 from ._util import Report, arg_parser

@@ -22,8 +22,8 @@ from pathlib import Path
 import trio
 
 from benchmarks.start_crun import bare_crun_run
-from tests.fixtures_daemon import leftovers
 from weenv.provision._hostcheck import detect_host
+from weenv.testing import leftovers
 
 from ._daemon import bench_daemon
 from ._util import Report, arg_parser, median, percentile

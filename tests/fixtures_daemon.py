@@ -1,4 +1,5 @@
-"""A real weenv daemon (real envlet, crun, cgroups, overlayfs) for integration tests.
+"""A real weenv daemon (real envlet, crun, cgroups, overlayfs) for integration tests; the harness
+itself (:class:`weenv.testing.DaemonHandle` and friends) is shared with the benchmarks.
 
 ``weenv_daemon`` (session scope) starts ``python -m weenv daemon`` with a private $WEENV_HOME and a
 private cgroup root, publishes a busybox ``os`` group to the embedded store and locks a plan over
@@ -8,129 +9,15 @@ mount, cgroup or process is left.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from weenv.testing import DaemonHandle, busybox_plan, leftovers, teardown_private_daemon, wait_for
+
 from .fixtures_common import require_command, require_fuse
-
-
-@dataclass
-class DaemonHandle:
-    home: str
-    socket: str
-    cgroup_root: str
-    plan_lock: str  # a locked busybox plan
-    plan_toml: str  # the same, unlocked
-    log_path: str
-    proc: subprocess.Popen
-
-    def client(self, **kw):  # type: ignore[no-untyped-def]
-        import weenv
-
-        return weenv.Client(self.socket, autostart=False, **kw)
-
-    def async_client(self, **kw):  # type: ignore[no-untyped-def]
-        import weenv
-
-        return weenv.AsyncClient(self.socket, autostart=False, **kw)
-
-    def env_vars(self) -> dict[str, str]:
-        return {**os.environ, "WEENV_HOME": self.home}
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    # -- lifecycle (tests that restart the daemon use these) ---------------------------------
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weenv", "daemon", "--cgroup-root", self.cgroup_root],
-            env=self.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weenv daemon exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                with self.client() as c:
-                    c.ping()
-                return
-            except Exception:
-                time.sleep(0.05)
-        raise RuntimeError(f"weenv daemon did not answer within {timeout_s} s:\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def kill9(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
-def busybox_plan(home: str, name: str = "bb") -> tuple[str, str]:
-    """Publish a busybox os group into ``home``'s embedded store; write a plan and its lock."""
-    from benchmarks._images import busybox_tree
-    from weenv.plan import load_plan, lock_plan, write_plan
-    from weenv.registry import publish, resolve_group
-
-    src = busybox_tree(Path(home) / "src-busybox")
-    old = os.environ.get("WEENV_HOME")
-    os.environ["WEENV_HOME"] = home
-    try:
-        publish(str(src), "busybox:test", group="os", group_class="os")
-        plan_path = os.path.join(home, f"{name}.toml")
-        with open(plan_path, "w") as f:
-            f.write(f'name = "{name}"\n\n[[groups]]\nname = "os"\nref = "busybox:test"\nclass = "os"\n\n'
-                    '[resources]\npids = 256\ndisk = "64MiB"\n\n[resources.cpu]\nmin = 0.05\nmax = 1.0\n\n'
-                    '[resources.memory]\nmin = "64MiB"\nmax = "512MiB"\n')
-        lock_path = os.path.join(home, f"{name}.lock.toml")
-        write_plan(lock_plan(load_plan(plan_path), resolve_group), lock_path)
-    finally:
-        if old is None:
-            os.environ.pop("WEENV_HOME", None)
-        else:
-            os.environ["WEENV_HOME"] = old
-    return plan_path, lock_path
-
-
-def leftovers(handle: DaemonHandle) -> list[str]:
-    """Mounts under the home (but the envlet), cgroups under the test root, crun containers."""
-    problems = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mnt = line.split()[4]
-            if mnt.startswith(os.path.join(handle.home, "envs")):
-                problems.append(f"mount {mnt}")
-    for hier in ("memory", "cpu", "pids", "freezer", "cpuacct"):
-        base = f"/sys/fs/cgroup/{hier}"
-        for dirpath, dirnames, _ in os.walk(base):
-            if os.path.basename(dirpath) == handle.cgroup_root:
-                problems += [f"cgroup {dirpath}/{d}" for d in dirnames]
-                break
-    crun_root = os.path.join(handle.home, "run", "crun")
-    if os.path.isdir(crun_root):
-        problems += [f"container {c}" for c in os.listdir(crun_root) if os.path.isdir(os.path.join(crun_root, c))]
-    return problems
 
 
 @pytest.fixture(scope="session")
@@ -161,45 +48,5 @@ def daemon(weenv_daemon: DaemonHandle) -> Iterator[DaemonHandle]:
             c.delete_snapshot(snap["id"])
 
 
-def teardown_private_daemon(d: DaemonHandle) -> list[str]:
-    """Stop a test's own daemon and its envlet, remove its cgroups and home; what it left behind."""
-    try:
-        with d.client() as c:
-            for e in c.list():
-                c.get(e["id"]).kill()
-            c.gc()
-    except Exception:
-        pass
-    d.stop()
-    try:  # the envlet outlives the daemon by design: stop it (it unmounts) and wait for it to go
-        from weenv.envlet import EnvletClient
-
-        pid = EnvletClient(os.path.join(d.home, "run", "envlet.sock")).ping()["pid"]
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.05)
-    except Exception:
-        pass
-    subprocess.run(["fusermount3", "-u", "-z", os.path.join(d.home, "envlet", "mnt")], capture_output=True)
-    left = leftovers(d)
-    from weenv.provision.cgroups import detect_backend
-
-    try:
-        detect_backend(d.cgroup_root).remove_parent()
-    except Exception:
-        pass
-    shutil.rmtree(d.home, ignore_errors=True)
-    return left
-
-
-def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False
-
-
-__all__ = ["DaemonHandle", "busybox_plan", "leftovers", "teardown_private_daemon", "wait_for", "json"]
+__all__ = ["DaemonHandle", "busybox_plan", "daemon", "leftovers", "teardown_private_daemon", "wait_for",
+           "weenv_daemon"]

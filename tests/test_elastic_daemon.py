@@ -128,7 +128,7 @@ def client(edaemon: ElasticDaemon) -> Iterator[weenv.Client]:
 @pytest.fixture(scope="module")
 def rollout() -> bytes:
     """A static helper that allocates memory from user space (busybox has no python)."""
-    from benchmarks._rollout import rollout_binary
+    from weenv.testing import rollout_binary
 
     return rollout_binary().read_bytes()
 

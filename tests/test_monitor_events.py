@@ -101,7 +101,7 @@ def spawn_in(group, argv) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def rollout() -> str:
-    from benchmarks._rollout import rollout_binary
+    from weenv.testing import rollout_binary
 
     return str(rollout_binary())
 

@@ -83,7 +83,7 @@ print(json.dumps(out))
 @pytest.mark.integration
 def test_a_memory_limit_on_the_daemons_cgroup_is_the_node(tmp_path):
     require_v1_host()
-    from benchmarks._rollout import rollout_binary
+    from weenv.testing import rollout_binary
 
     with open("/proc/self/cgroup") as f:
         own = next(line.split(":", 2)[2].strip() for line in f if ":memory:" in line).rstrip("/")

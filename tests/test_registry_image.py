@@ -13,11 +13,11 @@ import tarfile
 import pytest
 
 import weenv.registry as R
-from benchmarks._images import debian_tar
 from tests.fixtures_common import require_command, require_root
 from tests.fixtures_registry import umoci_unpack
 from weenv import layerfmt
 from weenv.registry._oci import CONFIG_V1, INDEX_V1, LAYER_TAR, MANIFEST_V1, canonical_json, descriptor_json
+from weenv.testing import debian_tar
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ from . import _home
 BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "sleep", "mkdir", "rm", "cp", "mv", "true", "false", "env", "id",
                    "touch", "ps", "head", "tail", "wc", "grep", "sed", "test", "[", "expr", "printf", "hostname",
                    "uname", "find", "sort", "diff", "md5sum", "tr", "cut", "date", "basename", "dirname", "seq")
-DEBIAN_MEMBERS = ("etc/os-release", "etc/debian_version", "usr/bin/dpkg")  # as benchmarks/_images.py checks
+DEBIAN_MEMBERS = ("etc/os-release", "etc/debian_version", "usr/bin/dpkg")  # as weenv/testing/_images.py checks
 
 
 def _busybox_os(root: Path) -> str:

@@ -1,7 +1,25 @@
-"""Harness code shared by tests/ and benchmarks/ (and the fixture cache `weenv demo` looks into)."""
+"""Harness code shared by tests/ and benchmarks/ (and the fixture cache `weenv demo` looks into).
+
+- fakes of the seams, for unit tests of logic: :class:`FakeRuntime` (containers in memory),
+  :class:`FakeBackend` (cgroups with a workload model driven by a clock);
+- real parts started privately: a weenv daemon (:class:`DaemonHandle`, :func:`busybox_plan`,
+  :func:`teardown_private_daemon`), a docker-registry with fault-injecting proxies
+  (:func:`start_registry`, :func:`start_proxy`), a fake SGLang server and slime's ``Sample``
+  (:class:`FakeSGLang`, :class:`Sample`);
+- fixtures built once and cached outside the clone (:func:`cached`, :func:`debian_tar`,
+  :func:`busybox_tree`, :func:`rollout_binary`).
+
+pytest is not needed to import it: a missing host tool raises :class:`HostUnsupported`, which
+pytest reports as a skip.
+"""
 
 from ._cgroups import FakeBackend as FakeBackend
 from ._cgroups import FakeCgroup as FakeCgroup
+from ._daemon import DaemonHandle as DaemonHandle
+from ._daemon import busybox_plan as busybox_plan
+from ._daemon import leftovers as leftovers
+from ._daemon import teardown_private_daemon as teardown_private_daemon
+from ._daemon import wait_for as wait_for
 from ._fixturecache import DEFAULT_ROOT as DEFAULT_ROOT
 from ._fixturecache import ENV_VAR as ENV_VAR
 from ._fixturecache import BadEntry as BadEntry
@@ -14,9 +32,42 @@ from ._fixturecache import check_file as check_file
 from ._fixturecache import check_tar as check_tar
 from ._fixturecache import check_tree as check_tree
 from ._fixturecache import find as find
+from ._host import HostUnsupported as HostUnsupported
+from ._host import require_tool as require_tool
+from ._images import busybox_tree as busybox_tree
+from ._images import check_debian_tar as check_debian_tar
+from ._images import debian_tar as debian_tar
+from ._images import debian_tar_name as debian_tar_name
+from ._images import extracted as extracted
+from ._images import source_tree as source_tree
+from ._registry import Fault as Fault
+from ._registry import Proxy as Proxy
+from ._registry import ProxyLog as ProxyLog
+from ._registry import RegistryProcess as RegistryProcess
+from ._registry import start_proxy as start_proxy
+from ._registry import start_registry as start_registry
+from ._registry import stop_proxy as stop_proxy
+from ._registry import stop_registry as stop_registry
+from ._rollout import parse_rollout_result as parse_rollout_result
+from ._rollout import rollout_binary as rollout_binary
 from ._runtime import FakeCommand as FakeCommand
 from ._runtime import FakeRuntime as FakeRuntime
+from ._slime import ByteTokenizer as ByteTokenizer
+from ._slime import FakeSGLang as FakeSGLang
+from ._slime import LegacySample as LegacySample
+from ._slime import Reply as Reply
+from ._slime import Sample as Sample
+from ._slime import byte_tokenizer as byte_tokenizer
+from ._slime import sampling_params as sampling_params
+from ._slime import slime_args as slime_args
+from ._slime import train_side_checks as train_side_checks
+from ._slime import turns as turns
 
-__all__ = ["DEFAULT_ROOT", "ENV_VAR", "BadEntry", "BuildError", "FakeBackend", "FakeCgroup", "FakeCommand",
-           "FakeRuntime", "FixtureCacheError", "cache_root", "cached", "check_executable", "check_file", "check_tar",
-           "check_tree", "find"]
+__all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "FakeBackend",
+           "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "Fault", "FixtureCacheError", "HostUnsupported",
+           "LegacySample", "Proxy", "ProxyLog", "RegistryProcess", "Reply", "Sample", "busybox_plan", "busybox_tree",
+           "byte_tokenizer", "cache_root", "cached", "check_debian_tar", "check_executable", "check_file", "check_tar",
+           "check_tree", "debian_tar", "debian_tar_name", "extracted", "find", "leftovers", "parse_rollout_result",
+           "require_tool", "rollout_binary", "sampling_params", "slime_args", "source_tree", "start_proxy",
+           "start_registry", "stop_proxy", "stop_registry", "teardown_private_daemon", "train_side_checks", "turns",
+           "wait_for"]

@@ -1,7 +1,7 @@
 """Realistic images, built reproducibly and cached outside the clone, keyed by their inputs.
 
 Used by benchmarks and by slow integration tests. Entries live in the fixture cache
-(``$WEENV_FIXTURE_CACHE``, default /var/cache/weenv-fixtures; see weenv/testing/_fixturecache.py),
+(``$WEENV_FIXTURE_CACHE``, default /var/cache/weenv-fixtures; see :mod:`._fixturecache`),
 which builds each under its own name in a private directory, checks it, renames it into place, and
 checks it again on every read.
 """
@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from weenv.testing import cached, check_tar, check_tree
+from ._fixturecache import cached, check_tar, check_tree
 
 BUSYBOX = "/bin/busybox"
 BUSYBOX_APPLETS = ("sh", "ls", "cat", "echo", "sleep", "mkdir", "rm", "cp", "mv", "true", "false", "env", "id",

@@ -20,7 +20,7 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from weenv.testing import cached, check_executable
+from ._fixturecache import cached, check_executable
 
 SOURCE = r"""
 #define _GNU_SOURCE
@@ -116,6 +116,6 @@ def rollout_binary(cache: Path | None = None) -> Path:
     return cached(f"rollout-{key}", build, check_executable, root=cache)
 
 
-def parse_result(line: str) -> dict[str, float]:
+def parse_rollout_result(line: str) -> dict[str, float]:
     """``key=value`` pairs of the last line ``rollout run`` printed."""
     return {k: float(v) for k, v in (item.split("=", 1) for item in line.strip().splitlines()[-1].split())}
