@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -514,3 +515,17 @@ def test_answer_structs_cover_what_the_daemon_records_hold(tmp_path):
 
     assert FileInfo.__struct_fields__ == wire.FileInfo.__struct_fields__
     assert ExecResult.__struct_fields__ == wire.ExecResult.__struct_fields__
+
+
+def test_clients_build_bodies_checked_as_the_daemon_checks_them():
+    body = wire.encode_request(wire.ExecRequest, argv=["cat"], stdin_b64=b"hi", timeout_s=None, stream=True)
+    assert json.loads(body) == {"argv": ["cat"], "stdin_b64": "aGk=", "stream": True}
+    assert wire.decode(body, wire.ExecRequest).stdin_b64 == b"hi"
+    for cls, fields, where in [(wire.TtlRequest, {"ttl_s": float("nan")}, "$.ttl_s"),
+                               (wire.TtlRequest, {"ttl_s": float("inf")}, "$.ttl_s"),
+                               (wire.ExecRequest, {"argv": ["a\0b"]}, "$.argv[0]"),
+                               (wire.CreateRequest, {"snapshot": "snap-1", "overrides": {"cpu": -1}}, "$.overrides.cpu")]:
+        with pytest.raises(msgspec.ValidationError, match=re.escape(where)):
+            wire.encode_request(cls, **fields)
+    # NaN would otherwise be written as null: no TTL instead of an error
+    assert wire.encode(wire.TtlRequest(ttl_s=float("nan"))) == b'{"ttl_s":null}'

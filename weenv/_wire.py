@@ -323,6 +323,16 @@ _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 encode = msgspec.json.Encoder().encode
 
 
+def encode_request(cls: type[RequestBody], /, **fields: Any) -> bytes:
+    """A request body for ``cls``, checked as the daemon will check it (``None`` fields left out).
+
+    Constructing a Struct does not validate it, and the encoder writes NaN as ``null``: a client
+    that built ``TtlRequest(ttl_s=nan)`` would silently clear the TTL. Going through
+    ``msgspec.convert`` refuses it here, with the location (``Expected `float` > 0.0 - at $.ttl_s``).
+    Raises msgspec.ValidationError."""
+    return encode(msgspec.convert({k: v for k, v in fields.items() if v is not None}, cls))
+
+
 def decode(data: bytes, cls: type[T]) -> T:
     """``data`` (JSON) as ``cls``; raises msgspec.DecodeError / ValidationError with the location,
     or RecursionError for nesting deeper than the interpreter allows."""
