@@ -265,6 +265,57 @@ ERRORS = [
     (_with('mounts = [{ source = "/a", target = "/data", rw = true }]'),
      "plan.toml: mounts[0].rw: unknown field (expected one of: source, target)"),
     (_with('mounts = [{ source = "/a" }]'), "plan.toml: mounts[0].target: required field is missing"),
+    # absurd values (issue 14.16): every value is bounded, paths are normalised, sources keep off the host
+    (_with("resources = { memory = { max = 100000000000000000000 } }"),
+     "plan.toml: resources.memory.max: expected a size <= 1TiB, got 100000000000000000000"),
+    (_with('resources = { memory = { min = "2TiB", max = "2TiB" } }'),
+     "plan.toml: resources.memory.min: expected a size <= 1TiB, got '2TiB'"),
+    (_with('resources = { disk = "1000TiB" }'), "plan.toml: resources.disk: expected a size <= 64TiB, got '1000TiB'"),
+    (_with("ttl_s = 1e308"), "plan.toml: ttl_s: expected a number <= 2592000, got 1e+308"),
+    (_with("ttl_s = inf"), "plan.toml: ttl_s: expected a number <= 2592000, got inf"),
+    (_with("ttl_s = nan"), "plan.toml: ttl_s: expected a number > 0, got nan"),
+    (_with("resources = { cpu = { max = inf } }"), "plan.toml: resources.cpu.max: expected a number <= 1024, got inf"),
+    (_with("resources = { pids = 4194305 }"), "plan.toml: resources.pids: expected an integer <= 4194304, got 4194305"),
+    (_with(f'env = {{ A = "{"x" * (8 << 20)}" }}'), "plan.toml: env.A: expected a string of at most 131072 characters"),
+    (_with(f'env = {{ AB = "{"x" * 131070}" }}'),
+     "plan.toml: env.AB: NAME=value is 131073 bytes, above the kernel's 131071 per variable"),
+    (_with("env = { " + ", ".join(f'V{i} = "{"x" * 100_000}"' for i in range(11)) + " }"),
+     "plan.toml: env: 1100045 bytes of variables is above 1MiB in all"),
+    (_with("env = { " + ", ".join(f'V{i} = "x"' for i in range(4097)) + " }"),
+     "plan.toml: env: expected a table of at most 4096 items"),
+    (_with("init = [" + ", ".join(f'"{"x" * 100_000}"' for _ in range(6)) + "]"),
+     "plan.toml: init: 600006 bytes of arguments is above 512KiB"),
+    (_with(f'init = ["/bin/sh", "{"é" * 70_000}"]'),
+     "plan.toml: init[1]: 140000 bytes is above the kernel's 131071 per argument"),
+    (_with('workdir = "/../../../tmp/x"'), "plan.toml: workdir: '/../../../tmp/x' is not a normalised path (write '/tmp/x')"),
+    (_with('workdir = "/work/"'), "plan.toml: workdir: '/work/' is not a normalised path (write '/work')"),
+    (_with('workdir = "//work"'), "plan.toml: workdir: '//work' is not a normalised path (write '/work')"),
+    (_with('mounts = [{ source = "/", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/' exposes the host: it is the host's root"),
+    (_with('mounts = [{ source = "/srv/../", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/srv/../' is not a normalised path (write '/')\n"
+     "plan.toml: mounts[0].source: '/srv/../' exposes the host: it is the host's root"),
+    (_with('mounts = [{ source = "/proc", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/proc' exposes the host: it is /proc"),
+    (_with('mounts = [{ source = "/etc/ssh", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/etc/ssh' exposes the host: it is inside /etc"),
+    (_with('mounts = [{ source = "/var", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/var' exposes the host: it contains /var/run"),
+    (_with('mounts = [{ source = "/var/run/docker.sock", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/var/run/docker.sock' exposes the host: it is inside /var/run"),
+    (_with('mounts = [{ source = "/run/containerd/containerd.sock", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/run/containerd/containerd.sock' exposes the host: it is inside /run"),
+    (_with('mounts = [{ source = "/var/lib/docker", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/var/lib/docker' exposes the host: it is /var/lib/docker"),
+    (_with('mounts = [{ source = "/root/.ssh", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/root/.ssh' exposes the host: it is inside /root"),
+    (_with('mounts = [{ source = "/boot", target = "/h" }]'), "plan.toml: mounts[0].source: '/boot' exposes the host: it is /boot"),
+    (_with('mounts = [{ source = "/dev/sda", target = "/h" }]'),
+     "plan.toml: mounts[0].source: '/dev/sda' exposes the host: it is inside /dev"),
+    (_with("mounts = [" + ", ".join(f'{{ source = "/srv", target = "/m{i}" }}' for i in range(65)) + "]"),
+     "plan.toml: mounts: expected an array of at most 64 items"),
+    ('name = "demo"\n' + "".join(f'[[groups]]\nname = "g{i}"\nref = "r:1"\nclass = "os"\n' for i in range(129)),
+     "plan.toml: groups: expected an array of at most 128 items"),
 ]
 
 
@@ -275,6 +326,35 @@ def test_every_error_names_the_file_and_location(text, message):
     assert str(info.value) == message
     assert info.value.source == "plan.toml"
     assert info.value.location == message.split(": ")[1]
+
+
+def test_mount_sources_keep_off_weenv_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("WEENV_HOME", str(home))
+    for source, why in ((home / "store", f"it is inside $WEENV_HOME {home}"), (home, f"it is $WEENV_HOME {home}"),
+                        (tmp_path, f"it contains $WEENV_HOME {home}")):
+        with pytest.raises(PlanValidationError) as info:
+            load(_with(f'mounts = [{{ source = "{source}", target = "/h" }}]'))
+        assert str(info.value) == f"plan.toml: mounts[0].source: '{source}' exposes the host: {why}"
+    assert load(_with(f'mounts = [{{ source = "{tmp_path / "data"}", target = "/h" }}]')).mounts[0].target == "/h"
+    for fine in ("/srv/data", "/home/me/datasets", "/var/lib/datasets", "/usr/share/dict", "/etcetera", "/proc2"):
+        assert wp.exposed_host_path(fine) is None, fine
+
+
+def test_bounds_are_the_documented_ones():
+    doc = (REPO_ROOT / "docs" / "plan.md").read_text()
+    for text in ("≤ 1TiB", "≤ 64TiB", "≤ 2592000", "4096 variables", "1 MiB", "512 KiB", "128 groups", "64 mounts"):
+        assert text in doc, text
+    assert wp.MAX_MEMORY_BYTES == 1024**4 and wp.MAX_DISK_BYTES == 64 * 1024**4 and wp.MAX_TTL_S == 30 * 86400
+
+
+def test_the_largest_values_still_load():
+    text = _with('ttl_s = 2592000\nworkdir = "/w"\nresources = { memory = { min = "1TiB", max = "1TiB" }, '
+                 'disk = "64TiB", pids = 4194304, cpu = { min = 1024, max = 1024 } }\n'
+                 f'env = {{ AB = "{"x" * 131068}" }}\ninit = ["/bin/sh", "{"y" * 131071}"]')
+    p = load(text)
+    assert p.resources.memory.max == wp.MAX_MEMORY_BYTES and p.ttl_s == wp.MAX_TTL_S
+    assert wp.load_plan(wp.dump_plan(p, "json")) == p
 
 
 def test_cross_field_problems_are_all_reported():
@@ -424,7 +504,7 @@ def plans(draw, locked: bool = False):
         else:
             groups.append(Group(name=name, ref=ref, group_class=cls))
     cpu = sorted([draw(_pos_float), draw(_pos_float)])
-    mem = sorted([draw(st.integers(4 * MiB, 2**44)), draw(st.integers(4 * MiB, 2**44))])
+    mem = sorted([draw(st.integers(4 * MiB, wp.MAX_MEMORY_BYTES)), draw(st.integers(4 * MiB, wp.MAX_MEMORY_BYTES))])
     targets = draw(st.lists(_abs_paths.filter(lambda p: not p.startswith(("/proc", "/sys", "/dev"))),
                             max_size=3, unique=True))
     fields = dict(
@@ -437,10 +517,11 @@ def plans(draw, locked: bool = False):
         resources=wp.Resources(cpu=wp.CpuRange(min=cpu[0], max=cpu[1]),
                                memory=wp.MemoryRange(min=mem[0], max=mem[1]),
                                pids=draw(st.integers(1, 4_194_304)),
-                               disk=draw(st.integers(1 * MiB, 2**44))),
+                               disk=draw(st.integers(1 * MiB, wp.MAX_DISK_BYTES))),
         network=draw(st.sampled_from(["none", "loopback"])),
-        ttl_s=draw(st.one_of(st.none(), st.floats(min_value=1e-3, max_value=1e9, allow_nan=False))),
-        mounts=[Mount(source=draw(_abs_paths), target=t) for t in targets],
+        ttl_s=draw(st.one_of(st.none(), st.floats(min_value=1e-3, max_value=wp.MAX_TTL_S, allow_nan=False))),
+        mounts=[Mount(source=draw(_abs_paths.filter(lambda p: wp.exposed_host_path(p) is None)), target=t)
+                for t in targets],
         snapshot=draw(st.one_of(st.none(), st.from_regex(r"[a-z0-9][a-z0-9._:-]{0,20}", fullmatch=True))),
     )
     if locked:
@@ -604,8 +685,8 @@ def test_unsupported_lock_versions_are_refused(store):
 
 
 @pytest.mark.parametrize("field,what", [
-    ("manifest_digest", "manifest digest"), ("layer_digest", "layer digest"),
-    ("layer_size", "layer size"), ("toc_digest", "TOC digest")])
+    ("manifest_digest", "digest"), ("layer_digest", "layer_digest"),
+    ("layer_size", "layer_size"), ("toc_digest", "toc_digest")])
 def test_verify_lock_group_names_the_group_and_the_field(store, field, what):
     lock = wp.lock_plan(load(BASE), store)
     g = lock.groups[1]
@@ -635,12 +716,15 @@ def test_verify_manifest_checks_bytes_layer_and_toc():
     good = _manifest(base)
     g = msgspec.structs.replace(base, digest="sha256:" + hashlib.sha256(good).hexdigest())
     wp.verify_manifest(g, good)
-    with pytest.raises(LockError, match="manifest digest mismatch"):
+    with pytest.raises(LockError, match=f"digest mismatch: the lock pins {g.digest}, the manifest fetched for it "
+                                        "hashes to sha256:"):
         wp.verify_manifest(g, good + b" ")
-    for bad, fragment in ((_manifest(g, toc=digest_of("x")), "TOC digest mismatch"),
-                          (_manifest(g, size=124), "layer size mismatch"),
-                          (_manifest(msgspec.structs.replace(g, layer_digest=digest_of("m"))), "layer digest mismatch"),
-                          (b"[]", "not an OCI manifest")):
+    for bad, fragment in ((_manifest(g, toc=digest_of("x")),
+                           f"toc_digest mismatch: the lock pins {g.toc_digest}, the manifest says {digest_of('x')}"),
+                          (_manifest(g, size=124), "layer_size mismatch: the lock pins 123, the manifest says 124"),
+                          (_manifest(msgspec.structs.replace(g, layer_digest=digest_of("m"))),
+                           f"layer_digest mismatch: the lock pins {g.layer_digest}, the manifest names {digest_of('m')}"),
+                          (b"[]", "not an OCI manifest"), (b"\xff", "not JSON")):
         pinned = msgspec.structs.replace(g, digest="sha256:" + hashlib.sha256(bad).hexdigest())
         with pytest.raises(LockError, match=fragment):
             wp.verify_manifest(pinned, bad)
@@ -826,7 +910,8 @@ def test_schema_describes_files_not_python():
     assert set(defs["Group"]["properties"]) == {"name", "ref", "class"}
     assert defs["Group"]["properties"]["class"]["enum"] == sorted(GROUP_CLASSES)
     mem_max = defs["MemoryRange"]["properties"]["max"]
-    assert mem_max["anyOf"] == [{"type": "integer", "minimum": 4 * MiB}, {"type": "string", "pattern": SIZE_PATTERN}]
+    assert mem_max["anyOf"] == [{"type": "integer", "minimum": 4 * MiB, "maximum": wp.MAX_MEMORY_BYTES},
+                                {"type": "string", "pattern": SIZE_PATTERN}]
     assert "anyOf" in defs["Resources"]["properties"]["disk"]
     lock = wp.plan_json_schema(lock=True)
     assert "lock_version" in lock["$defs"]["Lock"]["required"]
@@ -838,6 +923,9 @@ def test_public_api_is_pinned():
         "CpuRange", "DEFAULT_CPU_MAX_CORES", "DEFAULT_CPU_MIN_CORES", "DEFAULT_DISK_BYTES",
         "DEFAULT_MEMORY_MAX_BYTES", "DEFAULT_MEMORY_MIN_BYTES", "DEFAULT_NETWORK", "DEFAULT_PIDS",
         "GROUP_CLASSES", "Group", "LOCK_VERSION", "Lock", "LockError", "LockedGroup", "MemoryRange", "Mount",
+        "HOST_PATHS", "MAX_ARG_STRLEN", "MAX_CORES", "MAX_DISK_BYTES", "MAX_ENV_BYTES", "MAX_ENV_VARS", "MAX_GROUPS",
+        "MAX_INIT_ARGS", "MAX_INIT_BYTES", "MAX_LAYER_BYTES", "MAX_MEMORY_BYTES", "MAX_MOUNTS", "MAX_PIDS",
+        "MAX_TTL_S", "exposed_host_path", "load_text",
         "Plan", "PlanError", "PlanSyntaxError", "PlanValidationError", "Problem", "Reference", "ResolvedGroup",
         "ResolvedGroupLike", "Resolver", "Resources", "apply_image_defaults", "apply_overrides", "dump_json_schema",
         "dump_plan", "format_for_path", "format_size", "is_locked", "load_any", "load_lock", "load_plan",
@@ -1010,7 +1098,7 @@ def test_lock_against_a_real_registry_and_the_local_store(registry, tmp_path, mo
 
     publish(str(trees["task2"]), "plantest/task:v1", group="task", group_class="task", use_cache=False)
     moved = resolve_group("plantest/task:v1")
-    with pytest.raises(LockError, match=r"group 'task' .*: manifest digest mismatch"):
+    with pytest.raises(LockError, match=r"group 'task' .*: digest mismatch: the lock pins "):
         wp.verify_lock_group(g_task, moved)
     wp.verify_lock_group(g_task, resolve_group(g_task.pinned_ref))  # the pinned digest still resolves
 

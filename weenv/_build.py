@@ -328,10 +328,35 @@ def locked_group(pub: Any, *, name: str, group_class: str) -> Any:
                        registry=r.registry, repo=r.repo)
 
 
+def check_group_placement(base: Any, group: GroupOut, *, spec_path: str, frm: str) -> None:
+    """Refuse, before anything runs, a group class that cannot go where a build puts the group.
+
+    The built layer is the diff over every group of the base, so it goes on top of them in the lock
+    the build writes; lock order is by class, bottom first (os, toolchain, harness, evaluator, task).
+    A group whose class ranks below a group of the base would make a lock that weenv refuses.
+    """
+    from .plan import GROUP_CLASSES
+
+    rank = GROUP_CLASSES.index(group.group_class)
+    kept = [(i, g) for i, g in enumerate(base.groups) if g.name != group.name]  # a same-named group is replaced
+    higher = [(i, g) for i, g in kept if GROUP_CLASSES.index(g.group_class) > rank]
+    if not higher:
+        return
+    i, top = max(higher, key=lambda x: GROUP_CLASSES.index(x[1].group_class))
+    allowed = ", ".join(repr(c) for c in GROUP_CLASSES[GROUP_CLASSES.index(top.group_class):])
+    raise BuildError(
+        f"{spec_path}: group.class = {group.group_class!r} cannot be built FROM {frm!r}: its groups[{i}] "
+        f"({top.name}) is class {top.group_class!r}, and a built group goes on top of the groups it was built "
+        f"over (a lock lists classes bottom first: {', '.join(GROUP_CLASSES)}). Either give the built group "
+        f"class {allowed}, or build it FROM a plan or lock without the groups of classes above "
+        f"{group.group_class!r} and list those after the built group in your plan."
+    )
+
+
 def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None, client: Client | None = None,
           log: Any = None) -> BuildResult:
     """Run a build spec; returns the published group and the written plan lock."""
-    from .plan import Lock, load_any, lock_plan, write_plan
+    from .plan import Lock, PlanError, load_any, lock_plan, plan_from_builtins, plan_to_builtins, write_plan
     from .registry import publish_layer_file, resolve_group
 
     spec = load_spec(spec_path)
@@ -348,6 +373,7 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
         if frm.startswith("snap-"):
             snap_info = c._request("GET", f"/v1/snapshots/{frm}").json()
             base_lock = None  # the snapshot's own lock, read at the end
+            check_group_placement(msgspec.convert(snap_info["lock"], Lock), spec.group, spec_path=spec_path, frm=frm)
             start = frm
             start_key = _sha("snapshot", frm, snap_info["layers"])
         else:
@@ -358,6 +384,7 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
             else:
                 path = frm if os.path.isabs(frm) else os.path.join(spec_dir, frm)
                 plan = load_any(path)
+            check_group_placement(plan, spec.group, spec_path=spec_path, frm=frm)
             base_lock = plan if isinstance(plan, Lock) else lock_plan(plan, resolve_group)
             start_key = base_key(base_lock)
             start = msgspec.to_builtins(base_lock)
@@ -389,6 +416,11 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
         out_lock = msgspec.structs.replace(base_lock, groups=groups, env=merged_env,
                                            workdir=done.workdir or base_lock.workdir, user=done.user or base_lock.user)
         lock_path = lock_out or os.path.join(spec_dir, f"{os.path.splitext(os.path.basename(spec_path))[0]}.lock.toml")
+        try:  # never write a lock that weenv would refuse to start from
+            out_lock = plan_from_builtins(plan_to_builtins(out_lock), Lock, source=lock_path)
+        except PlanError as e:
+            raise BuildError(f"{spec_path}: the built group {target_ref} was published, but the lock it makes is "
+                             f"invalid, so it was not written:\n{e}") from None
         write_plan(out_lock, lock_path)
         return BuildResult(ref=target_ref, digest=pub.digest, toc_digest=pub.toc_digest, layer_digest=pub.layer_digest,
                            lock=lock_path, snapshot=done.snapshot, uploaded_bytes=pub.uploaded_bytes, steps=done.steps)

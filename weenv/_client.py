@@ -99,6 +99,8 @@ def _plan_body(plan_or_lock: Any, overrides: dict[str, Any]) -> dict[str, Any]:
                 text = Path(s).read_text(encoding="utf-8")
             except OSError as e:
                 raise WeenvError(f"cannot read plan {s}: {e.strerror}") from None
+            except UnicodeDecodeError as e:  # binary garbage: say which file, as the plan reader would
+                raise WeenvError(f"{s}: not UTF-8 text (byte {e.start}): not a plan or lock") from None
             fmt = "json" if s.endswith(".json") or text.lstrip().startswith("{") else "toml"
             body = {"plan_text": text, "format": fmt, "source": s}
     else:

@@ -13,6 +13,7 @@ from ._codec import is_locked as is_locked
 from ._codec import load_any as load_any
 from ._codec import load_lock as load_lock
 from ._codec import load_plan as load_plan
+from ._codec import load_text as load_text
 from ._codec import parse_document as parse_document
 from ._codec import plan_from_builtins as plan_from_builtins
 from ._codec import plan_json_schema as plan_json_schema
@@ -37,6 +38,19 @@ from ._model import DEFAULT_NETWORK as DEFAULT_NETWORK
 from ._model import DEFAULT_PIDS as DEFAULT_PIDS
 from ._model import GROUP_CLASSES as GROUP_CLASSES
 from ._model import LOCK_VERSION as LOCK_VERSION
+from ._model import MAX_ARG_STRLEN as MAX_ARG_STRLEN
+from ._model import MAX_CORES as MAX_CORES
+from ._model import MAX_DISK_BYTES as MAX_DISK_BYTES
+from ._model import MAX_ENV_BYTES as MAX_ENV_BYTES
+from ._model import MAX_ENV_VARS as MAX_ENV_VARS
+from ._model import MAX_GROUPS as MAX_GROUPS
+from ._model import MAX_INIT_ARGS as MAX_INIT_ARGS
+from ._model import MAX_INIT_BYTES as MAX_INIT_BYTES
+from ._model import MAX_LAYER_BYTES as MAX_LAYER_BYTES
+from ._model import MAX_MEMORY_BYTES as MAX_MEMORY_BYTES
+from ._model import MAX_MOUNTS as MAX_MOUNTS
+from ._model import MAX_PIDS as MAX_PIDS
+from ._model import MAX_TTL_S as MAX_TTL_S
 from ._model import CpuRange as CpuRange
 from ._model import Group as Group
 from ._model import Lock as Lock
@@ -56,4 +70,17 @@ from ._units import parse_cpu_range as parse_cpu_range
 from ._units import parse_memory_range as parse_memory_range
 from ._units import parse_size as parse_size
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+from ._validate import HOST_PATHS as HOST_PATHS
+from ._validate import exposed_host_path as exposed_host_path
+
+__all__ = ["CpuRange", "DEFAULT_CPU_MAX_CORES", "DEFAULT_CPU_MIN_CORES", "DEFAULT_DISK_BYTES",
+           "DEFAULT_MEMORY_MAX_BYTES", "DEFAULT_MEMORY_MIN_BYTES", "DEFAULT_NETWORK", "DEFAULT_PIDS", "GROUP_CLASSES",
+           "Group", "HOST_PATHS", "LOCK_VERSION", "Lock", "LockError", "LockedGroup", "MAX_ARG_STRLEN", "MAX_CORES",
+           "MAX_DISK_BYTES", "MAX_ENV_BYTES", "MAX_ENV_VARS", "MAX_GROUPS", "MAX_INIT_ARGS", "MAX_INIT_BYTES",
+           "MAX_LAYER_BYTES", "MAX_MEMORY_BYTES", "MAX_MOUNTS", "MAX_PIDS", "MAX_TTL_S", "MemoryRange", "Mount",
+           "Plan", "PlanError", "PlanSyntaxError", "PlanValidationError", "Problem", "Reference", "ResolvedGroup",
+           "ResolvedGroupLike", "Resolver", "Resources", "apply_image_defaults", "apply_overrides", "dump_json_schema",
+           "dump_plan", "exposed_host_path", "format_for_path", "format_size", "is_locked", "load_any", "load_lock",
+           "load_plan", "load_text", "lock_plan", "parse_cpu_range", "parse_document", "parse_memory_range",
+           "parse_ref", "parse_size", "plan_defaults_from_image", "plan_from_builtins", "plan_json_schema",
+           "plan_to_builtins", "verify_lock_group", "verify_manifest", "write_plan"]

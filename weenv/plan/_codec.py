@@ -34,26 +34,46 @@ _LOCK_HEADER = "# weenv plan lock: every group pinned to digests. Made by `weenv
 PlanSource = str | bytes | os.PathLike[str]
 
 
-def _read_source(src: PlanSource, source: str | None) -> tuple[str, str]:
-    """(text, name for messages). PathLike → file; str → text if it looks like a document, else a path."""
+MAX_DOCUMENT_BYTES = 16 * 1024**2
+"""Largest plan or lock file read: far above any plan the value bounds admit (env ≤ 1 MiB, init ≤
+512 KiB, ≤ 128 groups), small enough that garbage is refused before it is parsed."""
+
+
+def _read_source(src: PlanSource, source: str | None) -> tuple[bytes, str]:
+    """(bytes, name for messages). PathLike → file; str → text if it looks like a document, else a path."""
     if isinstance(src, os.PathLike) or (isinstance(src, str) and not _looks_like_text(src)):
         path = os.fspath(src)
-        with open(path, "rb") as f:
-            data = f.read()
         name = source or path
-    else:
+        with open(path, "rb") as f:
+            data = f.read(MAX_DOCUMENT_BYTES + 1)
+    elif isinstance(src, (str, bytes)):
         data = src if isinstance(src, bytes) else src.encode("utf-8", "surrogatepass")
         name = source or "<plan>"
+    else:
+        raise PlanSyntaxError(source or "<plan>", f"expected plan text or a path, got {type(src).__name__}")
+    return data, name
+
+
+def _decode_text(data: bytes, name: str) -> str:
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise PlanSyntaxError(name, f"larger than {MAX_DOCUMENT_BYTES // 1024**2} MiB: not a plan")
     try:
-        return data.decode("utf-8"), name
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
         raise PlanSyntaxError(name, "not UTF-8 text", line=line, column=column) from None
+    nul = text.find("\x00")
+    if nul >= 0:  # neither TOML nor JSON admits a raw NUL; say so before a parser says something odder
+        line = text.count("\n", 0, nul) + 1
+        raise PlanSyntaxError(name, "a NUL byte: this is binary data, not a plan", line=line,
+                              column=nul - (text.rfind("\n", 0, nul) + 1) + 1)
+    return text
 
 
 def _looks_like_text(s: str) -> bool:
-    return "\n" in s or "=" in s or s.lstrip().startswith(("{", "["))
+    # A NUL cannot be in a path, and no path is that long: both mean the string is content.
+    return "\n" in s or "=" in s or "\x00" in s or len(s) > 4096 or s.lstrip().startswith(("{", "["))
 
 
 def sniff_format(text: str) -> Format:
@@ -77,6 +97,13 @@ def _no_constants(name: str) -> Any:
 def parse_document(text: str, fmt: Format | None = None, *, source: str = "<plan>") -> tuple[Any, Format]:
     """The builtins of a TOML or JSON document; :class:`PlanSyntaxError` with line and column."""
     fmt = fmt or sniff_format(text)
+    try:
+        return _parse(text, fmt, source)
+    except RecursionError:
+        raise PlanSyntaxError(source, f"invalid {fmt.upper()}: nested too deeply") from None
+
+
+def _parse(text: str, fmt: Format, source: str) -> tuple[Any, Format]:
     if fmt == "toml":
         try:
             return tomllib.loads(text), fmt
@@ -91,6 +118,8 @@ def parse_document(text: str, fmt: Format | None = None, *, source: str = "<plan
                 raise PlanSyntaxError(source, f"invalid TOML: {msg.removesuffix('(at end of document)').strip()}",
                                       line=len(lines), column=len(lines[-1]) + 1) from None
             raise PlanSyntaxError(source, f"invalid TOML: {msg}") from None
+        except ValueError as e:  # what the TOML parser passes through, e.g. an integer of 5000 digits
+            raise PlanSyntaxError(source, f"invalid TOML: {e}") from None
     if fmt == "json":
         try:
             return json.loads(text, object_pairs_hook=_reject_duplicates, parse_constant=_no_constants), fmt
@@ -98,7 +127,7 @@ def parse_document(text: str, fmt: Format | None = None, *, source: str = "<plan
             raise PlanSyntaxError(source, f"invalid JSON: {e.msg}", line=e.lineno, column=e.colno) from None
         except ValueError as e:  # from the hooks: we know the message, not the position
             raise PlanSyntaxError(source, f"invalid JSON: {e}") from None
-    raise ValueError(f"unknown plan format {fmt!r} (use 'toml' or 'json')")
+    raise PlanSyntaxError(source, f"unknown plan format {fmt!r} (use 'toml' or 'json')")
 
 
 def _sizes_to_bytes(raw: Any, cls: type, problems: list[Problem]) -> Any:
@@ -115,6 +144,13 @@ def _sizes_to_bytes(raw: Any, cls: type, problems: list[Problem]) -> Any:
 
 def decode_builtins(raw: Any, cls: type[P], *, source: str = "<plan>", fmt: Format = "toml") -> P:
     """Validate parsed builtins as ``cls`` (:class:`Plan` or :class:`Lock`); located errors."""
+    try:
+        return _decode_builtins(raw, cls, source, fmt)
+    except RecursionError:  # builtins made by a program rather than parsed from a file
+        raise PlanValidationError(source, [Problem("", "nested too deeply")]) from None
+
+
+def _decode_builtins(raw: Any, cls: type[P], source: str, fmt: Format) -> P:
     problem = shape_problem(raw, fmt)
     if problem:
         raise PlanValidationError(source, [problem])
@@ -146,13 +182,25 @@ def decode_builtins(raw: Any, cls: type[P], *, source: str = "<plan>", fmt: Form
 
 
 def _load(src: PlanSource, cls: type[Plan] | None, fmt: Format | None, source: str | None) -> Plan:
-    text, name = _read_source(src, source)
-    if fmt is None and sniff_format(text) == "toml" and name.lower().endswith(".json"):
-        fmt = "json"  # a .json file that does not start with "{" is still meant as JSON
-    raw, used = parse_document(text, fmt, source=name)
+    data, name = _read_source(src, source)
+    # a .json file that does not start with "{" is still meant as JSON (load_text sees to it)
+    return load_text(data, fmt=fmt, source=name, cls=cls)
+
+
+def load_text(text: str | bytes, *, fmt: Format | None = None, source: str = "<plan>",
+              cls: type[Plan] | None = None) -> Plan | Lock:
+    """A :class:`Lock` or :class:`Plan` (or ``cls``) from document text, never read as a path: for
+    text that comes from elsewhere (the daemon's API), where a string must not name a local file."""
+    if not isinstance(text, (str, bytes)):
+        raise PlanSyntaxError(source, f"expected plan text, got {type(text).__name__}")
+    data = text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass")
+    doc = _decode_text(data, source)
+    if fmt is None and sniff_format(doc) == "toml" and source.lower().endswith(".json"):
+        fmt = "json"
+    raw, used = parse_document(doc, fmt, source=source)
     if cls is None:
         cls = Lock if isinstance(raw, dict) and "lock_version" in raw else Plan
-    return decode_builtins(raw, cls, source=name, fmt=used)
+    return decode_builtins(raw, cls, source=source, fmt=used)
 
 
 def load_plan(src: PlanSource, *, fmt: Format | None = None, source: str | None = None) -> Plan:
@@ -259,8 +307,9 @@ def plan_json_schema(*, lock: bool = False) -> dict[str, Any]:
             if is_size(f.type) and f.encode_name in props:
                 prop = props[f.encode_name]
                 integer = {"type": "integer"}
-                if "minimum" in prop:
-                    integer["minimum"] = prop.pop("minimum")
+                for bound in ("minimum", "maximum"):
+                    if bound in prop:
+                        integer[bound] = prop.pop(bound)
                 prop.pop("type", None)
                 prop["anyOf"] = [integer, {"type": "string", "pattern": SIZE_PATTERN}]
             for member in _members(f.type):

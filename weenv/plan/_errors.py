@@ -57,7 +57,9 @@ class PlanValidationError(PlanError):
     def __init__(self, source: str, problems: list[Problem] | tuple[Problem, ...]):
         self.source = source
         self.problems = tuple(problems)
-        super().__init__("\n".join(f"{source}: {p}" for p in self.problems))
+        # one line per problem, whatever odd text (a key with a newline) a message quotes
+        super().__init__("\n".join(f"{source}: {p}".replace("\n", "\\n").replace("\r", "\\r")
+                                   for p in self.problems))
 
     @property
     def location(self) -> str:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._errors import LockError, PlanValidationError
@@ -93,46 +94,89 @@ def _check_resolved(label: str, name: str, ref: str, r: Any) -> None:
         raise LockError(f"{label}: layer_size of {ref!r} is not a byte count: {size!r}", group=name)
 
 
+def _mismatch(group: LockedGroup, field: str, want: Any, found: str, label: str | None = None) -> LockError:
+    label = label or f"group {group.name!r} ({group.pinned_ref})"
+    return LockError(f"{label}: {field} mismatch: the lock pins {want}, {found}", group=group.name)
+
+
 def verify_lock_group(group: LockedGroup, resolved: ResolvedGroupLike) -> None:
     """Check what a store serves for a locked group against the lock; :class:`LockError` naming
-    the group and the field that differs (manifest, layer or TOC digest, layer size)."""
-    checks = (("manifest digest", group.digest, getattr(resolved, "manifest_digest", None)),
-              ("layer digest", group.layer_digest, getattr(resolved, "layer_digest", None)),
-              ("layer size", group.layer_size, getattr(resolved, "layer_size", None)),
-              ("TOC digest", group.toc_digest, getattr(resolved, "toc_digest", None)))
-    for what, want, got in checks:
+    the group, the lock's key that differs (``digest``, ``layer_digest``, ``layer_size``,
+    ``toc_digest``), the lock's value and the value found."""
+    checks = (("digest", group.digest, getattr(resolved, "manifest_digest", None)),
+              ("layer_digest", group.layer_digest, getattr(resolved, "layer_digest", None)),
+              ("layer_size", group.layer_size, getattr(resolved, "layer_size", None)),
+              ("toc_digest", group.toc_digest, getattr(resolved, "toc_digest", None)))
+    for field, want, got in checks:
         if want != got:
-            raise LockError(
-                f"group {group.name!r} ({group.pinned_ref}): {what} mismatch: the lock pins {want}, "
-                f"the store has {got}", group=group.name,
-            )
+            raise _mismatch(group, field, want, f"the store has {got}")
+
+
+@dataclass(frozen=True)
+class ManifestLayer:
+    digest: str
+    size: int
+    toc_digest: str | None  # the layer's TOC annotation, if any
+
+
+@dataclass(frozen=True)
+class ManifestPins:
+    """What a manifest's bytes pin, read without trusting a lock: their own digest, the layers they
+    reference and the TOC digest annotated on the manifest. Immutable for a given digest, so a
+    provisioner may keep it and compare later locks with it (:func:`check_manifest_pins`)."""
+
+    digest: str
+    layers: tuple[ManifestLayer, ...]
+    toc_digest: str | None
+
+
+def read_manifest_pins(manifest: bytes) -> ManifestPins:
+    """The :class:`ManifestPins` of manifest bytes; ValueError if they are not an OCI manifest."""
+    from ..layerfmt import TOC_DIGEST_ANNOTATION
+
+    digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+    try:
+        doc = json.loads(manifest)
+    except ValueError:
+        raise ValueError("the manifest is not JSON") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("layers"), list):
+        raise ValueError("the manifest is not an OCI manifest with layers")
+
+    def toc_of(notes: Any) -> str | None:
+        toc = notes.get(TOC_DIGEST_ANNOTATION) if isinstance(notes, dict) else None
+        return toc if isinstance(toc, str) else None
+
+    layers = []
+    for d in doc["layers"]:
+        if isinstance(d, dict) and isinstance(d.get("digest"), str) and isinstance(d.get("size"), int):
+            layers.append(ManifestLayer(d["digest"], d["size"], toc_of(d.get("annotations"))))
+    return ManifestPins(digest, tuple(layers), toc_of(doc.get("annotations")))
+
+
+def check_manifest_pins(group: LockedGroup, pins: ManifestPins, *, label: str | None = None) -> None:
+    """Every pinned field of ``group`` against what its manifest pins: the manifest digest, the
+    layer digest and size, the TOC digest (layer or manifest annotation, when there is one; the
+    envlet checks the TOC itself when it opens the layer). :class:`LockError` naming the group,
+    the field, the lock's value and the manifest's (``label`` replaces ``group 'os' (ref)``)."""
+    if pins.digest != group.digest:
+        raise _mismatch(group, "digest", group.digest, f"the manifest fetched for it hashes to {pins.digest}", label)
+    layer = next((x for x in pins.layers if x.digest == group.layer_digest), None)
+    if layer is None:
+        named = ", ".join(x.digest for x in pins.layers) or "no layer"
+        raise _mismatch(group, "layer_digest", group.layer_digest, f"the manifest names {named}", label)
+    if layer.size != group.layer_size:
+        raise _mismatch(group, "layer_size", group.layer_size, f"the manifest says {layer.size}", label)
+    for toc in (layer.toc_digest, pins.toc_digest):
+        if toc is not None and toc != group.toc_digest:
+            raise _mismatch(group, "toc_digest", group.toc_digest, f"the manifest says {toc}", label)
 
 
 def verify_manifest(group: LockedGroup, manifest: bytes) -> None:
     """Check fetched manifest bytes against a locked group: their sha256 is the pinned digest,
     and they reference the pinned layer (digest and size) with the pinned TOC digest when they
-    carry the TOC annotation. :class:`LockError` naming the group otherwise."""
-    from ..layerfmt import TOC_DIGEST_ANNOTATION
-
-    def fail(what: str) -> LockError:
-        return LockError(f"group {group.name!r} ({group.pinned_ref}): {what}", group=group.name)
-
-    digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
-    if digest != group.digest:
-        raise fail(f"manifest digest mismatch: the lock pins {group.digest}, the manifest is {digest}")
+    carry the TOC annotation. :class:`LockError` naming the group and the field otherwise."""
     try:
-        doc = json.loads(manifest)
-        layers = doc["layers"]
-        assert isinstance(layers, list)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise fail("the manifest is not an OCI manifest with layers") from None
-    layer = next((d for d in layers if isinstance(d, dict) and d.get("digest") == group.layer_digest), None)
-    if layer is None:
-        raise fail(f"layer digest mismatch: the manifest does not reference {group.layer_digest}")
-    if layer.get("size") != group.layer_size:
-        raise fail(f"layer size mismatch: the lock pins {group.layer_size}, the manifest says {layer.get('size')}")
-    for notes in (layer.get("annotations"), doc.get("annotations")):
-        toc = notes.get(TOC_DIGEST_ANNOTATION) if isinstance(notes, dict) else None
-        if toc is not None and toc != group.toc_digest:
-            raise fail(f"TOC digest mismatch: the lock pins {group.toc_digest}, the manifest says {toc}")
-
+        pins = read_manifest_pins(manifest)
+    except ValueError as e:
+        raise LockError(f"group {group.name!r} ({group.pinned_ref}): {e}", group=group.name) from None
+    check_manifest_pins(group, pins)

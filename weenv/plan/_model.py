@@ -34,6 +34,23 @@ MIN_MEMORY_BYTES = 4 * MiB
 MIN_DISK_BYTES = 1 * MiB
 MAX_CORES = 1024.0
 MAX_PIDS = 4_194_304  # the kernel's own ceiling for pid_max
+# Upper bounds: what a plan may ask of any node. A value above them is a slip (10**20 bytes of
+# memory, 1e308 s), not a wish; admission then refuses what this particular node cannot hold.
+TiB = 1024**4
+MAX_MEMORY_BYTES = 1 * TiB
+MAX_DISK_BYTES = 64 * TiB
+MAX_LAYER_BYTES = 16 * TiB
+MAX_TTL_S = 30 * 86400.0
+# The kernel refuses an exec whose one "NAME=value" or argument string (with its NUL) exceeds
+# MAX_ARG_STRLEN (32 pages = 128 KiB), or whose argv + envp exceed ARG_MAX (2 MiB with the
+# default 8 MiB stack): bounded below that, so the init and exec always start.
+MAX_ARG_STRLEN = 128 * 1024
+MAX_ENV_BYTES = 1 * MiB
+MAX_ENV_VARS = 4096
+MAX_INIT_BYTES = 512 * 1024
+MAX_INIT_ARGS = 4096
+MAX_GROUPS = 128  # overlayfs stacks at most 500 lowers; snapshots add theirs on top
+MAX_MOUNTS = 64
 LOCK_VERSION = 1
 
 GROUP_CLASSES: tuple[str, ...] = ("os", "toolchain", "harness", "evaluator", "task")
@@ -74,15 +91,15 @@ Ref = Annotated[str, Meta(pattern=REF_PATTERN, max_length=512,
                           description="Group reference: [host[:port]/]repo:tag, repo@sha256:…, or both.")]
 Digest = Annotated[str, Meta(pattern=DIGEST_PATTERN, description="sha256:<64 hex digits>.")]
 EnvName = Annotated[str, Meta(pattern=ENV_NAME_PATTERN, max_length=1024)]
-EnvValue = Annotated[str, Meta(pattern=NO_NUL_PATTERN)]
+EnvValue = Annotated[str, Meta(pattern=NO_NUL_PATTERN, max_length=MAX_ARG_STRLEN)]
 AbsPath = Annotated[str, Meta(pattern=ABS_PATH_PATTERN, max_length=4096, description="Absolute path.")]
-Arg = Annotated[str, Meta(pattern=NO_NUL_PATTERN)]
+Arg = Annotated[str, Meta(pattern=NO_NUL_PATTERN, max_length=MAX_ARG_STRLEN)]
 User = Annotated[str, Meta(pattern=USER_PATTERN, max_length=256,
                            description="User name or uid, optionally :group or :gid.")]
 Cores = Annotated[float, Meta(gt=0, le=MAX_CORES, description="CPU cores (fractions allowed).")]
-MemorySize = Annotated[int, Meta(ge=MIN_MEMORY_BYTES, extra=SIZE_UNIT,
+MemorySize = Annotated[int, Meta(ge=MIN_MEMORY_BYTES, le=MAX_MEMORY_BYTES, extra=SIZE_UNIT,
                                  description='Bytes, or a size such as "512MiB", "2GiB", "1.5G".')]
-DiskSize = Annotated[int, Meta(ge=MIN_DISK_BYTES, extra=SIZE_UNIT,
+DiskSize = Annotated[int, Meta(ge=MIN_DISK_BYTES, le=MAX_DISK_BYTES, extra=SIZE_UNIT,
                                description='Bytes, or a size such as "512MiB", "2GiB", "1.5G".')]
 GroupClass = Literal["os", "toolchain", "harness", "evaluator", "task"]
 Network = Literal["none", "loopback", "egress", "host"]
@@ -110,7 +127,7 @@ class LockedGroup(Group, kw_only=True):
 
     digest: Annotated[Digest, Meta(description="Manifest digest of the group artifact.")]
     layer_digest: Annotated[Digest, Meta(description="Digest of the group's layer blob.")]
-    layer_size: Annotated[int, Meta(ge=0, description="Size of the layer blob in bytes.")]
+    layer_size: Annotated[int, Meta(ge=0, le=MAX_LAYER_BYTES, description="Size of the layer blob in bytes.")]
     toc_digest: Annotated[Digest, Meta(description="Digest of the layer's table of contents.")]
     registry: Annotated[str, Meta(pattern=REGISTRY_PATTERN, description=(
         "Registry host the group was resolved on; absent for the embedded local store."
@@ -150,7 +167,9 @@ class Resources(_Strict, kw_only=True):
 class Mount(_Strict, kw_only=True):
     """A read-only bind mount of a host path into the environment (explicit opt-in)."""
 
-    source: Annotated[AbsPath, Meta(description="Host path (absolute, normalised).")]
+    source: Annotated[AbsPath, Meta(description=(
+        "Host path (absolute, normalised); not one that exposes the host (/, /proc, /sys, /dev, /etc, "
+        "/boot, /root, /run, /var/run, container runtime state, $WEENV_HOME) nor one above or inside them."))]
     target: Annotated[AbsPath, Meta(description="Path inside the environment; not /, /proc, /sys or /dev.")]
 
 
@@ -175,14 +194,17 @@ class Plan(_Strict, kw_only=True):
     """A weenv environment plan: what to run (groups, bottom first) and how (env, limits)."""
 
     name: Annotated[Name, Meta(description="Plan name; env ids and the hostname derive from it.")]
-    groups: Annotated[list[Group], Meta(description="Layer groups, bottom (os) first, task last.")] = []
-    env: Annotated[dict[EnvName, EnvValue], Meta(
-        description="Environment variables; merged over the image's, plan values win."
-    )] = {}
-    workdir: Annotated[AbsPath, Meta(description="Working directory; default the image's, else /.")] | None = None
+    groups: Annotated[list[Group], Meta(max_length=MAX_GROUPS, description=(
+        "Layer groups, bottom (os) first, task last."))] = []
+    env: Annotated[dict[EnvName, EnvValue], Meta(max_length=MAX_ENV_VARS, description=(
+        "Environment variables; merged over the image's, plan values win. Each NAME=value is "
+        "under 128 KiB, all of them together at most 1 MiB."
+    ))] = {}
+    workdir: Annotated[AbsPath, Meta(description=(
+        "Working directory (absolute, normalised); default the image's, else /."))] | None = None
     user: Annotated[User, Meta(description="User of the init and of exec; default the image's, else root.")] | None = None
-    init: Annotated[list[Arg], Meta(min_length=1, description=(
-        "argv of the long-lived process; default weenv's tiny idle init."
+    init: Annotated[list[Arg], Meta(min_length=1, max_length=MAX_INIT_ARGS, description=(
+        "argv of the long-lived process (at most 512 KiB in all); default weenv's tiny idle init."
     ))] | None = None
     resources: Resources = Resources()
     network: Annotated[Network | NetworkPolicy, Meta(description=(
@@ -190,8 +212,9 @@ class Plan(_Strict, kw_only=True):
         "egress: a table with allow/deny lists (docs/network.md); "
         "host: the node's own network (egress, for trusted build and packaging steps only)."
     ))] = DEFAULT_NETWORK
-    ttl_s: Annotated[float, Meta(gt=0, description="Seconds until the env is killed; default: no TTL.")] | None = None
-    mounts: Annotated[list[Mount], Meta(description="Read-only host bind mounts.")] = []
+    ttl_s: Annotated[float, Meta(gt=0, le=MAX_TTL_S, description=(
+        "Seconds until the env is killed (at most 30 days); default: no TTL."))] | None = None
+    mounts: Annotated[list[Mount], Meta(max_length=MAX_MOUNTS, description="Read-only host bind mounts.")] = []
     snapshot: Annotated[str, Meta(pattern=SNAPSHOT_PATTERN, description=(
         "Snapshot id to start from (reserved for snapshots); groups may then be empty."
     ))] | None = None
@@ -201,7 +224,7 @@ class Lock(Plan, kw_only=True):
     """A plan whose every group is pinned to digests (``lock_version`` marks a lock file)."""
 
     lock_version: Annotated[int, Meta(ge=1, description="Lock format version; this weenv writes 1.")]
-    groups: Annotated[list[LockedGroup], Meta(description="Pinned groups, bottom first.")] = []
+    groups: Annotated[list[LockedGroup], Meta(max_length=MAX_GROUPS, description="Pinned groups, bottom first.")] = []
 
 
 class ResolvedGroup(msgspec.Struct, frozen=True, kw_only=True):

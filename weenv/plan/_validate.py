@@ -19,7 +19,8 @@ import msgspec
 import msgspec.inspect as mi
 
 from ._errors import Problem
-from ._model import GROUP_CLASSES, NETWORKS, PATTERN_DESCRIPTIONS, LockedGroup, NetworkPolicy, Plan, group_class_rank
+from ._model import (GROUP_CLASSES, MAX_ARG_STRLEN, MAX_ENV_BYTES, MAX_INIT_BYTES, NETWORKS,
+                     PATTERN_DESCRIPTIONS, LockedGroup, NetworkPolicy, Plan, group_class_rank)
 from ._ref import parse_ref
 from ._units import human_size
 from ._walk import (Segment, child_type, convert_ok, dict_item_types, format_location, is_size,
@@ -30,6 +31,15 @@ _PATH_TOKEN = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 _TYPE_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
                "array": "an array", "null": "null", "object": "a table"}
 _FORBIDDEN_MOUNT_TARGETS = ("/proc", "/sys", "/dev")
+HOST_PATHS: tuple[str, ...] = (
+    "/proc", "/sys", "/dev", "/boot", "/etc", "/root", "/run", "/var/run",
+    # container runtimes' state and sockets (docker.sock and containerd.sock live under /run)
+    "/var/lib/docker", "/var/lib/containerd", "/var/lib/containers", "/var/lib/kubelet", "/var/lib/lxc",
+    "/var/lib/weenv",  # weenv's default home; the current $WEENV_HOME is added at check time
+)
+"""Host paths a mount source may not be, lie inside, or contain (besides ``/`` itself and
+``$WEENV_HOME``): bound read-only into an env they still hand it the host's secrets, devices,
+runtime sockets or the state of other envs."""
 _MAX_ID = 2**32 - 2  # (uid_t)-1 means "unchanged" to the kernel
 
 
@@ -133,9 +143,9 @@ def translate_error(err: msgspec.ValidationError, raw: Any, root_cls: type, fmt:
     if original is not None and at.found:
         shown = _resolve(original, root, list(segments)).value
 
-    if (mm := re.match(r"Object missing required field `(.+)`$", msg)):
+    if (mm := re.match(r"Object missing required field `(.+)`$", msg, re.DOTALL)):
         return Problem(format_location([*segments, mm[1]]), "required field is missing")
-    if (mm := re.match(r"Object contains unknown field `(.+)`$", msg)):
+    if (mm := re.match(r"Object contains unknown field `(.+)`$", msg, re.DOTALL)):
         st = struct_of(t)
         names = [f.encode_name for f in st.fields] if st else []
         text = "unknown field"
@@ -145,7 +155,7 @@ def translate_error(err: msgspec.ValidationError, raw: Any, root_cls: type, fmt:
             if close:
                 text += f"; did you mean {close[0]!r}?"
         return Problem(format_location([*segments, mm[1]]), text)
-    if (mm := re.match(r"Invalid enum value (.+)$", msg)):
+    if (mm := re.match(r"Invalid enum value (.+)$", msg, re.DOTALL)):
         base = unwrap(t)[0] if t is not None else None
         if isinstance(base, mi.UnionType):  # network = "…" | [network]: the string choices
             base = next((unwrap(m)[0] for m in base.types if isinstance(unwrap(m)[0], mi.LiteralType)), None)
@@ -197,6 +207,38 @@ def _rewrite(msg: str, value: Any, t: mi.Type | None, fmt: str, is_key: bool = F
     return msg[:1].lower() + msg[1:]
 
 
+def normalised_path(path: str) -> str:
+    """``path`` without ``.``, ``..``, repeated or trailing ``/`` (``//x`` too: POSIX keeps it)."""
+    return "/" + posixpath.normpath(path).lstrip("/")
+
+
+def exposed_host_path(source: str, *, home: str | None = None) -> str | None:
+    """Why a bind-mount ``source`` (absolute, normalised) would expose the host, or ``None``.
+
+    Refused: ``/``; any of :data:`HOST_PATHS` or ``home`` (default ``$WEENV_HOME``); a path inside
+    one of them; a path that contains one of them (``/var`` holds ``/var/run``). The provisioner
+    calls this again on the resolved path, since a plan cannot see symlinks.
+    """
+    from .. import _home
+
+    if source == "/":
+        return "it is the host's root"
+    weenv_home = normalised_path(home if home is not None else _home.home())
+    for protected in (*HOST_PATHS, weenv_home):
+        what = "$WEENV_HOME " + protected if protected == weenv_home else protected
+        if source == protected:
+            return f"it is {what}"
+        if source.startswith(protected + "/"):
+            return f"it is inside {what}"
+        if protected.startswith(source + "/"):
+            return f"it contains {what}"
+    return None
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 def check_plan(plan: Plan) -> list[Problem]:
     """Every rule that relates several fields, or needs more than a pattern, as problems."""
     problems: list[Problem] = []
@@ -244,15 +286,41 @@ def check_plan(plan: Plan) -> list[Problem]:
                 add(Problem("user", f"id {part} is above {_MAX_ID}"))
     if plan.init is not None and plan.init and not plan.init[0]:
         add(Problem("init[0]", "the program to run must not be empty"))
+    if plan.init is not None:
+        init_bytes = 0
+        for i, arg in enumerate(plan.init):
+            n = _utf8_len(arg) + 1
+            init_bytes += n
+            if n > MAX_ARG_STRLEN:
+                add(Problem(f"init[{i}]", f"{n - 1} bytes is above the kernel's {MAX_ARG_STRLEN - 1} per argument"))
+        if init_bytes > MAX_INIT_BYTES:
+            add(Problem("init", f"{init_bytes} bytes of arguments is above {human_size(MAX_INIT_BYTES)}"))
+    env_bytes = 0
+    for key, value in plan.env.items():
+        n = _utf8_len(key) + 1 + _utf8_len(value) + 1  # NAME=value and its NUL, as the kernel counts
+        env_bytes += n
+        if n > MAX_ARG_STRLEN:
+            add(Problem(format_location(["env", key]), (
+                f"NAME=value is {n - 1} bytes, above the kernel's {MAX_ARG_STRLEN - 1} per variable"
+            )))
+    if env_bytes > MAX_ENV_BYTES:
+        add(Problem("env", f"{env_bytes} bytes of variables is above {human_size(MAX_ENV_BYTES)} in all"))
+    if plan.workdir is not None and normalised_path(plan.workdir) != plan.workdir:
+        add(Problem("workdir", (
+            f"{plan.workdir!r} is not a normalised path (write {normalised_path(plan.workdir)!r})"
+        )))
 
     targets: dict[str, int] = {}
     for i, mount in enumerate(plan.mounts):
         for field in ("source", "target"):
             path = getattr(mount, field)
-            if posixpath.normpath(path) != path or path.startswith("//"):
+            if normalised_path(path) != path:
                 add(Problem(f"mounts[{i}].{field}", (
-                    f"{path!r} is not a normalised path (write {posixpath.normpath(path)!r})"
+                    f"{path!r} is not a normalised path (write {normalised_path(path)!r})"
                 )))
+        exposed = exposed_host_path(normalised_path(mount.source))
+        if exposed is not None:
+            add(Problem(f"mounts[{i}].source", f"{mount.source!r} exposes the host: {exposed}"))
         target = mount.target
         if target == "/" or any(target == p or target.startswith(p + "/") for p in _FORBIDDEN_MOUNT_TARGETS):
             add(Problem(f"mounts[{i}].target", (

@@ -22,7 +22,7 @@ import trio
 
 from .. import _home, layerfmt
 from ..envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
-from ..plan import Lock, LockedGroup, Plan, apply_overrides, is_locked, plan_to_builtins
+from ..plan import Lock, LockedGroup, LockError, Plan, apply_overrides, is_locked, plan_to_builtins
 from ..plan._model import network_policy
 from ..registry import LayoutStore
 from . import _mounts, _state
@@ -44,6 +44,7 @@ from ._policy import EnvLimits
 from ._runtime import ExecResult, Runtime, prepare_bundle
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
+from ._startcheck import LockVerifier, check_registered, check_start
 from ._trees import LayerTrees
 from .cgroups import Cgroup, CgroupBackend
 
@@ -134,6 +135,7 @@ class EnvManager:
         self.trees_dir = os.path.join(os.path.dirname(envs_dir), "snapshot-trees")
         self.layer_trees: LayerTrees | None = None  # hot group layers as directories (enable_layer_trees)
         self._trees_in_progress: set[str] = set()
+        self.lock_verifier = LockVerifier()  # every start checks each pinned field of the lock
         self.net: Any = None  # weenv.net EgressNetwork (set by the daemon): egress envs need it
         self._forking: set[str] = set()  # fork snapshots whose children are being started (gc keeps them)
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
@@ -182,6 +184,7 @@ class EnvManager:
         """
         t0 = time.perf_counter()
         lock = await trio.to_thread.run_sync(lock_for, plan)
+        await check_start(self.lock_verifier, lock)
         if not snapshot_layers and self.pool_size > 0:
             key = _pool_key(lock)
             self._pool_used[key] = time.monotonic()
@@ -329,6 +332,11 @@ class EnvManager:
                 return
             rec.layers.append(info.name)  # recorded at once: teardown must release it even if others fail
             paths[i] = info.path
+            if i < len(lock.groups):  # a layer registered before: its size and TOC digest against the lock
+                try:
+                    check_registered(lock, i, info.size, info.toc_digest)
+                except LockError as e:
+                    errors.append(e)
 
         mark = _Stopwatch(rec.timings_ms)
         netpol = network_policy(lock)
