@@ -15,6 +15,7 @@ from ._errors import (
     TruncatedLayerError,
 )
 from ._io import RandomAccessReader, read_exact
+from ._tocshape import TocShapeCheck
 from ._toc import (
     DEFAULT_LIMITS,
     FOOTER_SIZE,
@@ -49,6 +50,43 @@ def _decompress_exact(data: bytes, ulength: int, what: str, offset: int, path: s
         raise IntegrityError(
             f"{what} decompressed to {len(out)} bytes, expected {ulength}", path=path, offset=offset
         )
+    return out
+
+
+TOC_PIECE_BYTES = 1 << 20
+
+
+def _decompress_toc(compressed: bytes, footer: Footer, limits: Limits) -> bytearray:
+    """The decompressed TOC, streamed a piece at a time with its shape checked after each piece.
+
+    Memory follows what has been decompressed so far, not what the footer or frame declare, and a
+    hostile TOC (a zstd bomb, junk, a column far larger than its entry count allows) fails after
+    the first piece that shows it (:mod:`._tocshape`).
+    """
+    ulength, where = footer.toc_ulength, footer.toc_offset
+    try:
+        declared = zstandard.frame_content_size(compressed)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"TOC is not a valid zstd frame: {e}", offset=where) from None
+    if declared != -1 and declared != ulength:
+        raise IntegrityError(f"TOC frame declares {declared} bytes, expected {ulength}", offset=where)
+    shape = TocShapeCheck(limits, ulength, where)
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(compressed) as stream:
+            while True:
+                piece = stream.read(TOC_PIECE_BYTES)
+                if not piece:
+                    break
+                if len(out) + len(piece) > ulength:
+                    raise IntegrityError(f"TOC decompresses to more than the {ulength} bytes the footer declares",
+                                         offset=where)
+                out += piece
+                shape.feed(out)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"TOC is not a valid zstd frame: {e}", offset=where) from None
+    if len(out) != ulength:
+        raise IntegrityError(f"TOC decompressed to {len(out)} bytes, expected {ulength}", offset=where)
     return out
 
 
@@ -141,7 +179,7 @@ class Layer:
         """
         footer, compressed = read_tail(reader, limits, tail_read)
         check_toc_digest(compressed, footer, expected_toc_digest)
-        raw = _decompress_exact(compressed, footer.toc_ulength, "TOC", footer.toc_offset, None)
+        raw = _decompress_toc(compressed, footer, limits)
         toc = decode_toc(raw, footer.toc_offset)
         return cls(reader, footer, Columns(toc, footer.toc_offset, limits))
 

@@ -161,7 +161,8 @@ class Limits:
     """Upper bounds a reader enforces so a hostile blob cannot make it allocate without bound."""
 
     max_toc_bytes: int = 128 << 20  # compressed
-    max_toc_ubytes: int = 1 << 30  # decompressed
+    max_toc_ubytes: int = 256 << 20  # decompressed (4M entries at ~64 bytes each); streamed with
+    #                                  its shape checked, so junk fails after the first MiB
     max_entries: int = 4_000_000
     max_path_bytes: int = 4096
     max_name_bytes: int = 255
