@@ -805,6 +805,8 @@ def test_image_config_becomes_plan_defaults():
     with_init = wp.plan_defaults_from_image(IMAGE_CONFIG, command_as_init=True)
     assert with_init["init"] == ["/entry.sh", "python3", "-m", "http.server"]
     assert wp.plan_defaults_from_image({"config": {"WorkingDir": "srv/app", "User": ""}}) == {"workdir": "/srv/app"}
+    for odd in ("//app/", "/app/./", "/../app", "app/x/.."):  # images' own spellings become plan paths
+        assert wp.plan_defaults_from_image({"WorkingDir": odd})["workdir"] == "/app", odd
     assert wp.plan_defaults_from_image({}) == {}
 
 

@@ -11,6 +11,7 @@ from ._codec import decode_builtins, plan_to_builtins
 from ._errors import PlanValidationError, Problem
 from ._model import Plan
 from ._units import parse_cpu_range, parse_memory_range
+from ._validate import normalised_path
 
 P = TypeVar("P", bound=Plan)
 OVERRIDES_SOURCE = "overrides"
@@ -99,7 +100,7 @@ def plan_defaults_from_image(config: Mapping[str, Any] | Any, *, command_as_init
     workdir = inner.get("WorkingDir")
     if workdir:
         # OCI allows a relative WorkingDir; runtimes resolve it against "/".
-        out["workdir"] = os.path.normpath(os.path.join("/", workdir)) if isinstance(workdir, str) else workdir
+        out["workdir"] = normalised_path(os.path.join("/", workdir)) if isinstance(workdir, str) else workdir
     user = inner.get("User")
     if user:
         out["user"] = user
