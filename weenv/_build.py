@@ -413,8 +413,13 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
                                 toc_digest=g.toc_digest, registry=g.registry, repo=g.repo)
         groups = [x for x in base_lock.groups if x.name != spec.group.name] + [new_group]
         merged_env = {**base_lock.env, **done.env_vars}
+        workdir = done.workdir or base_lock.workdir
+        if workdir and workdir.startswith("/"):  # cleaned as Docker cleans WORKDIR: "/app/" is "/app"
+            from .plan._validate import normalised_path
+
+            workdir = normalised_path(workdir)
         out_lock = msgspec.structs.replace(base_lock, groups=groups, env=merged_env,
-                                           workdir=done.workdir or base_lock.workdir, user=done.user or base_lock.user)
+                                           workdir=workdir, user=done.user or base_lock.user)
         lock_path = lock_out or os.path.join(spec_dir, f"{os.path.splitext(os.path.basename(spec_path))[0]}.lock.toml")
         try:  # never write a lock that weenv would refuse to start from
             out_lock = plan_from_builtins(plan_to_builtins(out_lock), Lock, source=lock_path)
