@@ -2,7 +2,7 @@
 
     python -m benchmarks.exec_hijack [--execs 1000]
 
-A private daemon starts one busybox env; tests/escape_probe.c runs in it as root in the
+A private daemon starts one busybox env; weenv/testing/escape_probe.c runs in it as root in the
 background, tries to steal the agent's listening socket (pidfd_getfd, /proc/1/fd, /proc/1/mem,
 ptrace, binding the socket's path) and answers every connection it gets with a forged
 ``rc=0 "HIJACKED: 42 passed"``. Then ``sh -c 'echo REAL; exit 3'`` runs N times through the
@@ -19,8 +19,7 @@ import subprocess
 import tempfile
 import time
 
-from tests.fixtures_daemon import wait_for
-from tests.test_escape import PROBE_SOURCE, attempts
+from weenv.testing import PROBE_SOURCE, attempts, wait_for
 
 from ._daemon import bench_daemon
 

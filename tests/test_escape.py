@@ -1,7 +1,7 @@
 """Escape attempts from an env's root, on the real daemon (crun, the in-env agent, v1 cgroups).
 
 Each test states the promise it checks and fails if the attempt succeeds. The probe
-(tests/escape_probe.c, static) is first run on the host against a process nothing protects, where
+(weenv/testing/escape_probe.c, static) is first run on the host against a process nothing protects, where
 its attempts do succeed: a probe broken for its own reasons cannot make these tests pass.
 See docs/security.md for the threat model and the layer each test covers.
 """
@@ -17,11 +17,12 @@ import time
 
 import pytest
 
+from weenv.testing import PROBE_SOURCE, attempts
+
 from .fixtures_daemon import wait_for
 
 pytestmark = pytest.mark.integration
 
-PROBE_SOURCE = os.path.join(os.path.dirname(__file__), "escape_probe.c")
 #: Execs checked per run in the suite; benchmarks/exec_hijack.py runs 1000 once.
 HIJACK_EXECS = 100
 
@@ -35,16 +36,6 @@ def escape_probe(tmp_path_factory) -> str:
     r = subprocess.run(["gcc", "-static", "-O1", "-o", out, PROBE_SOURCE], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot build a static probe here: {r.stderr[-500:]}")
-    return out
-
-
-def attempts(log: str) -> dict[str, str]:
-    """``attempt -> result`` from the probe's output (result "SUCCEEDED" or an strerror)."""
-    out = {}
-    for line in log.splitlines():
-        name, sep, result = line.rpartition(": ")
-        if sep and not line.startswith(("serving", "answered")):
-            out[name.split(" (")[0]] = result
     return out
 
 

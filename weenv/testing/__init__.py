@@ -7,7 +7,8 @@
   (:func:`start_registry`, :func:`start_proxy`), a fake SGLang server and slime's ``Sample``
   (:class:`FakeSGLang`, :class:`Sample`);
 - fixtures built once and cached outside the clone (:func:`cached`, :func:`debian_tar`,
-  :func:`busybox_tree`, :func:`rollout_binary`).
+  :func:`busybox_tree`, :func:`rollout_binary`), and the escape probe run inside envs
+  (:data:`PROBE_SOURCE`, :func:`attempts`).
 
 pytest is not needed to import it: a missing host tool raises :class:`HostUnsupported`, which
 pytest reports as a skip.
@@ -20,6 +21,8 @@ from ._daemon import busybox_plan as busybox_plan
 from ._daemon import leftovers as leftovers
 from ._daemon import teardown_private_daemon as teardown_private_daemon
 from ._daemon import wait_for as wait_for
+from ._escape import PROBE_SOURCE as PROBE_SOURCE
+from ._escape import attempts as attempts
 from ._fixturecache import DEFAULT_ROOT as DEFAULT_ROOT
 from ._fixturecache import ENV_VAR as ENV_VAR
 from ._fixturecache import BadEntry as BadEntry
@@ -65,9 +68,9 @@ from ._slime import turns as turns
 
 __all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "FakeBackend",
            "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "Fault", "FixtureCacheError", "HostUnsupported",
-           "LegacySample", "Proxy", "ProxyLog", "RegistryProcess", "Reply", "Sample", "busybox_plan", "busybox_tree",
-           "byte_tokenizer", "cache_root", "cached", "check_debian_tar", "check_executable", "check_file", "check_tar",
-           "check_tree", "debian_tar", "debian_tar_name", "extracted", "find", "leftovers", "parse_rollout_result",
-           "require_tool", "rollout_binary", "sampling_params", "slime_args", "source_tree", "start_proxy",
-           "start_registry", "stop_proxy", "stop_registry", "teardown_private_daemon", "train_side_checks", "turns",
-           "wait_for"]
+           "LegacySample", "PROBE_SOURCE", "Proxy", "ProxyLog", "RegistryProcess", "Reply", "Sample", "attempts",
+           "busybox_plan", "busybox_tree", "byte_tokenizer", "cache_root", "cached", "check_debian_tar",
+           "check_executable", "check_file", "check_tar", "check_tree", "debian_tar", "debian_tar_name", "extracted",
+           "find", "leftovers", "parse_rollout_result", "require_tool", "rollout_binary", "sampling_params",
+           "slime_args", "source_tree", "start_proxy", "start_registry", "stop_proxy", "stop_registry",
+           "teardown_private_daemon", "train_side_checks", "turns", "wait_for"]
