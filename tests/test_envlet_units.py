@@ -414,3 +414,76 @@ def test_the_envlet_gives_the_stores_it_opens_its_own_deadline(tmp_path):
     policy = reader.store.policy
     assert policy.deadline_s == 2.0 and policy.request_timeout_s <= 2.0 and policy.connect_timeout_s <= 2.0
     reader.store.close()
+
+
+def _du_bytes(root) -> int:
+    return sum(os.stat(os.path.join(dp, n)).st_size for dp, _, ns in os.walk(root) for n in ns)
+
+
+def test_l2_on_a_full_disk_counts_only_what_it_stored(tmp_path):
+    # a real ENOSPC: a 1 MiB tmpfs under a cache that believes it has 10 MiB
+    import subprocess
+
+    from .fixtures_common import require_root
+
+    require_root()
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        m = Metrics()
+        c = DiskCache(str(mnt / "l2"), 10 << 20, m)
+        items = [os.urandom(300_000) for _ in range(5)]
+        keys = [hashlib.sha256(x).digest() for x in items]
+        for k, x in zip(keys, items):
+            c.put(k, x)
+        stored = [k for k in keys if k in c]
+        assert 0 < len(stored) < 5 and m.counters["l2_write_errors"] == 5 - len(stored)
+        assert c.files == len(stored)
+        assert c.size_bytes == len(stored) * (48 + 300_000) == _du_bytes(mnt / "l2")  # partial writes cut off
+        s = m.snapshot()
+        assert s["l2_bytes_written"] == len(stored) * 300_000
+        for k in stored:
+            assert c.get(k, 300_000) == items[keys.index(k)]
+        again = DiskCache(str(mnt / "l2"), 10 << 20, Metrics())  # a restart finds the same
+        assert again.files == c.files and again.size_bytes == c.size_bytes
+        del c, again
+    finally:
+        import gc
+
+        gc.collect()  # close the packs' descriptors before the unmount
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_failed_write_between_two_good_ones_leaves_the_stats_right(tmp_path, monkeypatch):
+    # the hole case: a later record was placed after the one whose write fails
+    import errno as _errno
+
+    from weenv.envlet import _cache
+
+    m = Metrics()
+    c = DiskCache(str(tmp_path / "l2"), 1 << 20, m)
+    a, b = os.urandom(1000), os.urandom(2000)
+    ka, kb = hashlib.sha256(a).digest(), hashlib.sha256(b).digest()
+    real = os.pwritev
+    a_waits, b_done = threading.Event(), threading.Event()
+
+    def pwritev(fd, bufs, offset):
+        if len(bufs[1]) == 1000:  # a: wait until b is placed after it and written, then fail
+            a_waits.set()
+            assert b_done.wait(10)
+            raise OSError(_errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(_cache.os, "pwritev", pwritev)
+    t = threading.Thread(target=c.put, args=(ka, a))
+    t.start()
+    assert a_waits.wait(10)
+    c.put(kb, b)
+    b_done.set()
+    t.join(10)
+    assert ka not in c and c.get(kb, 2000) == b
+    assert c.files == 1 and c.size_bytes == 48 + 2000 and m.counters["l2_write_errors"] == 1
+    monkeypatch.setattr(_cache.os, "pwritev", real)
+    again = DiskCache(str(tmp_path / "l2"), 1 << 20, Metrics())  # the scan stops at the hole: a cache refills
+    assert again.size_bytes == 48 * again.files + 2000 * again.files and again.files in (0, 1)

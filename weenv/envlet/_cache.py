@@ -69,10 +69,11 @@ _MAX_SEGMENT = 256 << 20
 class _Segment:
     """One append-only pack file; its descriptor closes when the last reader lets go of it."""
 
-    __slots__ = ("seq", "path", "fd", "size", "digests")
+    __slots__ = ("seq", "path", "fd", "size", "stored", "digests")
 
     def __init__(self, seq: int, path: str, fd: int, size: int = 0):
-        self.seq, self.path, self.fd, self.size = seq, path, fd, size
+        self.seq, self.path, self.fd, self.size = seq, path, fd, size  # size: where the next record goes
+        self.stored = size  # bytes of records written or being written (a failed write is not counted)
         self.digests: list[bytes] = []
 
     def __del__(self) -> None:
@@ -101,6 +102,9 @@ class DiskCache:
     - Bound and eviction: the store holds at most ``capacity_bytes`` (headers included). Eviction
       deletes the least recently used pack file (a hit on any of its chunks makes it recent); packs
       are ``capacity / 16`` bytes (at most 256 MiB), so eviction is LRU to within 1/16 of the bound.
+    - A full or failing disk: a write that fails is not stored and not counted (``size_bytes``
+      counts what is stored; ``l2_write_errors`` the failures), and a partly written last record
+      is cut off.
     - Restart: the index is rebuilt by scanning the record headers (packs oldest first); a record cut
       short by a crash ends its pack, which is truncated there.
     All methods are blocking and thread-safe: call them from worker threads.
@@ -152,7 +156,7 @@ class DiskCache:
                 self._delete(seg)
                 continue
             self._segments[seq] = seg
-            self.size_bytes += seg.size
+            self.size_bytes += seg.stored
         self._evict_to(self.capacity_bytes)
 
     def _scan(self, seg: _Segment) -> None:
@@ -164,7 +168,7 @@ class DiskCache:
             end = offset + length
         if end != os.fstat(seg.fd).st_size:  # a record torn by a crash (or garbage): the pack ends before it
             os.ftruncate(seg.fd, end)
-        seg.size = end
+        seg.size = seg.stored = end
 
     def _pack_path(self, seq: int) -> str:
         return os.path.join(self._packs, f"{seq:08d}.pack")
@@ -217,14 +221,16 @@ class DiskCache:
                 evicted = self._pop_lru(self.capacity_bytes * 9 // 10 - need)
             seg = self._active
             if seg is None or (seg.size and seg.size + need > self.segment_bytes) or seg.seq not in self._segments:
-                seg = self._new_segment()
-                if seg is None:
-                    return
-            offset = seg.size
-            seg.size += need
-            self.size_bytes += need
-            self._writing.add(digest)
+                seg = self._new_segment()  # None: the disk is full or failing (what was evicted still goes)
+            if seg is not None:
+                offset = seg.size
+                seg.size += need
+                seg.stored += need
+                self.size_bytes += need
+                self._writing.add(digest)
         self._finish_eviction(evicted)
+        if seg is None:
+            return
         ok = False
         try:
             ok = os.pwritev(seg.fd, [header, data], offset) == need
@@ -236,8 +242,29 @@ class DiskCache:
                 if ok and seg.seq in self._segments:
                     self._index[digest] = (seg, offset + _RECORD.size, len(data), crc)
                     seg.digests.append(digest)
+                elif not ok:
+                    self._unreserve(seg, offset, need)
         if ok:
             self._metrics.inc("l2_bytes_written", len(data))
+        else:
+            self._metrics.inc("l2_write_errors")
+
+    def _unreserve(self, seg: _Segment, offset: int, need: int) -> None:
+        """Take back the room of a record whose write failed (lock held): the stats count what is stored.
+
+        The last record of its pack gives its room back (and any part written is cut off); one with
+        records after it leaves a hole that a restart's scan stops at (the pack is cut there).
+        """
+        if seg.seq not in self._segments:
+            return  # evicted meanwhile: its bytes left the count with it
+        seg.stored -= need
+        self.size_bytes -= need
+        if seg.size == offset + need:
+            seg.size = offset
+            try:
+                os.ftruncate(seg.fd, offset)
+            except OSError:
+                pass
 
     def _new_segment(self) -> _Segment | None:
         """Start a new pack (call with the lock held)."""
@@ -266,7 +293,7 @@ class DiskCache:
             _, seg = self._segments.popitem(last=False)
             if seg is self._active:
                 self._active = None
-            self.size_bytes -= seg.size
+            self.size_bytes -= seg.stored
             chunks = 0
             for digest in seg.digests:
                 entry = self._index.get(digest)
@@ -282,7 +309,7 @@ class DiskCache:
         chunks = sum(n for _, n in evicted)
         if chunks:
             self._metrics.inc("l2_evictions", chunks)
-        return chunks, sum(seg.size for seg, _ in evicted)
+        return chunks, sum(seg.stored for seg, _ in evicted)
 
     def _evict_to(self, target_bytes: int) -> tuple[int, int]:
         with self._lock:

@@ -16,6 +16,7 @@ COUNTERS = (
     ("l2_bytes_read", "bytes read from the node disk cache"),
     ("l2_bytes_written", "bytes written to the node disk cache"),
     ("l2_evictions", "chunk files evicted from the node disk cache"),
+    ("l2_write_errors", "chunks the node disk cache could not store (disk full or failing)"),
     ("l2_corrupt", "node disk cache files that failed verification (discarded)"),
     ("remote_fetches", "range requests to the store"),
     ("remote_bytes", "bytes fetched from the store"),
