@@ -32,3 +32,8 @@ from ._parsers import ToolCall as ToolCall
 from ._parsers import ToolCallParser as ToolCallParser
 from ._parsers import load_parser as load_parser
 from .sandbox import WeenvSandbox as WeenvSandbox
+
+__all__ = ["Action", "BashBlockParser", "CallResult", "CapacityError", "CommandFailedError", "ConfigError", "EnvSpec",
+           "EvaluatorSpec", "GenerationAborted", "GenerationError", "GradingError", "HermesToolCallParser",
+           "RolloutSettings", "SandboxError", "SandboxNotStartedError", "SlimePluginError", "SnapshotUnavailableError",
+           "ToolCall", "ToolCallParser", "WeenvSandbox", "load_parser", "resolve_env_spec", "resolve_rollout_settings"]

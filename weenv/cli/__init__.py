@@ -24,3 +24,5 @@ from . import _top  # noqa: E402,F401
 from . import _net  # noqa: E402,F401
 from . import _package  # noqa: E402,F401
 from . import _demo  # noqa: E402,F401
+
+__all__ = ["main"]

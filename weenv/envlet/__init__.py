@@ -19,4 +19,6 @@ from ._server import clear_stale_mount as clear_stale_mount
 from ._server import serve as serve
 from ._tree import LayerTree as LayerTree
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = ["ChunkIntegrityError", "ControlError", "DiskCache", "EnvletClient", "EnvletError", "EnvletProcess",
+           "EnvletUnavailableError", "FetchError", "Fetcher", "LayerInfo", "LayerNotFoundError", "LayerSource",
+           "LayerTree", "MemoryCache", "Metrics", "StoreSpec", "clear_stale_mount", "serve"]

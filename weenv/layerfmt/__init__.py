@@ -44,4 +44,10 @@ from ._toc import Entry as Entry
 from ._toc import Footer as Footer
 from ._toc import Limits as Limits
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = ["BuildResult", "BytesReader", "Chunk", "Columns", "DEFAULT_CHUNK_SIZE", "DEFAULT_LIMITS",
+           "DEFAULT_TAIL_READ", "Entry", "EntryNotFoundError", "FOOTER_SIZE", "FORMAT_VERSION", "FileReader", "Footer",
+           "IntegrityError", "Layer", "LayerError", "LayerFormatError", "LayerInputError", "LimitExceededError",
+           "Limits", "MEDIA_TYPE", "OPAQUE_NAME", "RandomAccessReader", "SourceEntry", "TOC", "TOC_DIGEST_ANNOTATION",
+           "TYPE_NAMES", "TruncatedLayerError", "UnsafePathError", "WHITEOUT_PREFIX", "build_entries", "build_layer",
+           "decode_chunk", "decompress_chunk", "normalize_lookup", "read_tail", "scan_directory", "scan_tar",
+           "verify_chunk"]

@@ -11,3 +11,5 @@ from ._policy import PolicyError as PolicyError
 from ._policy import parse_bandwidth as parse_bandwidth
 from ._policy import parse_entry as parse_entry
 from ._policy import parse_policy as parse_policy
+
+__all__ = ["EgressPolicy", "Entry", "PolicyError", "parse_bandwidth", "parse_entry", "parse_policy"]

@@ -41,4 +41,9 @@ from ._store import BlobReader as BlobReader
 from ._store import Descriptor as Descriptor
 from ._store import Store as Store
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = ["ArtifactError", "AuthError", "BlobRangeError", "BlobReader", "Descriptor", "ExportResult",
+           "GROUP_ARTIFACT_TYPE", "GROUP_CLASSES", "GroupInfo", "ImageConfig", "IntegrityError", "LayoutStore",
+           "NotFoundError", "ProtocolError", "PublishResult", "PullResult", "PulledGroup", "Ref", "RefError",
+           "RegistryError", "RegistryUnavailableError", "RemoteStore", "RetryPolicy", "Store", "StoreError",
+           "export_oci", "image_config", "local_store_path", "mapped_errors", "open_layer_ref", "open_store",
+           "parse_groups_spec", "parse_ref", "publish", "publish_layer_file", "pull", "resolve_group"]

@@ -20,5 +20,5 @@ from ._v1 import V1Cgroup as V1Cgroup
 from ._v2 import V2Backend as V2Backend
 from ._v2 import V2Cgroup as V2Cgroup
 
-__all__ = ["ALL_FEATURES", "PAGE_BYTES", "Cgroup", "CgroupBackend", "CgroupFs", "CgroupLayout", "CgroupSample",
+__all__ = ["ALL_FEATURES", "Cgroup", "CgroupBackend", "CgroupFs", "CgroupLayout", "CgroupSample", "PAGE_BYTES",
            "V1Backend", "V1Cgroup", "V2Backend", "V2Cgroup", "check_name", "detect_backend", "parse_layout"]
