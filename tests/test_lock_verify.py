@@ -162,6 +162,24 @@ def test_mount_sources_are_resolved_on_the_host(tmp_path):
             check_mount_sources(bad, home=str(home))
 
 
+def test_the_embedded_store_is_asked_by_digest_and_its_bytes_checked(tmp_path, monkeypatch):
+    from weenv.registry import publish, resolve_group
+
+    from .layertrees import f, make_tree
+
+    monkeypatch.setenv("WEENV_HOME", str(tmp_path / "home"))
+    publish(make_tree(tmp_path / "src", f("etc/os-release", b"x\n")), "tiny:v1", group="os", group_class="os")
+    plan = wp.load_plan('name = "t"\n[[groups]]\nname = "os"\nref = "tiny:v1"\nclass = "os"\n')
+    lock = wp.lock_plan(plan, resolve_group)
+    LockVerifier().check(lock)
+    with pytest.raises(LockError, match=r"layer_size mismatch: the lock pins 5, the manifest says \d+$"):
+        LockVerifier().check(_edit(lock, layer_size=5))
+    blob = tmp_path / "home" / "store" / "blobs" / "sha256" / lock.groups[0].digest.removeprefix("sha256:")
+    blob.write_bytes(blob.read_bytes() + b" ")  # the store's file, tampered
+    with pytest.raises(LockError, match=r"^lock 't': groups\[0\] \(os\): digest: .*does not match its digest"):
+        LockVerifier().check(lock)
+
+
 # ---------------------------------------------------------------- a real envlet
 
 

@@ -70,7 +70,7 @@ class LockVerifier:
 
     def fetch(self, lock: Lock, indices: list[int]) -> None:
         """Fetch the manifests of those groups by their pinned digests and remember what they pin."""
-        from ..registry import NotFoundError, RegistryError
+        from ..registry import IntegrityError, NotFoundError
 
         by_store: dict[str | None, list[int]] = {}
         for i in indices:
@@ -87,10 +87,8 @@ class LockVerifier:
                             f"{_label(lock, i, g)}: digest: the lock pins {g.digest}, but {_where(g)} has no such "
                             f"manifest in repository {g.repo!r} (was the lock edited, or the group deleted?)",
                             group=g.name) from None
-                    except RegistryError as e:
-                        if "does not match its digest" in str(e):  # the store's own integrity check
-                            raise LockError(f"{_label(lock, i, g)}: digest: {e}", group=g.name) from None
-                        raise
+                    except IntegrityError as e:  # the store's own check of the bytes against the digest
+                        raise LockError(f"{_label(lock, i, g)}: digest: {e}", group=g.name) from None
                     try:
                         pins = read_manifest_pins(data)
                     except ValueError as e:
