@@ -16,7 +16,9 @@ from weenv.testing import FakeBackend
 MIB = 1 << 20
 GIB = 1 << 30
 LIMITS = EnvLimits(memory_min_bytes=64 * MIB, memory_max_bytes=1 * GIB)
-OLD_RULE = PolicyConfig(memory_burst_reservation=False)
+# Without reservations, and without the bounded wait (which would OOM-kill both after memory_wait_s,
+# tests/test_memory_bounds.py), to show the deadlock reservations prevent.
+OLD_RULE = PolicyConfig(memory_burst_reservation=False, memory_wait_s=float("inf"))
 
 
 def sample(usage: int, **kw) -> CgroupSample:

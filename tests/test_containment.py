@@ -360,3 +360,41 @@ def test_memory_bomb_is_oom_killed_inside_the_env_only(crun_runtime, busybox_roo
         assert env.init_pid in env_cgroup.pids()
 
     run(main)
+
+
+def test_memory_bomb_on_a_full_node_is_oom_killed_after_a_bounded_wait(crun_runtime, busybox_rootfs, tmp_path,
+                                                                        env_cgroup):
+    # Issue 16 item 4: with a max the node cannot cover right now, the monitor refuses to grow the
+    # env; its allocation used to sleep at the limit (v1: oom_kill_disable 1, under_oom 1) for as
+    # long as the exec lasted. Now the limit turns hard after memory_wait_s and the kernel kills.
+    from weenv.provision._monitor import Monitor
+    from weenv.provision._policy import EnvLimits, PolicyConfig
+
+    wait_s = 5.0
+    node = (24 << 30, 300 * MIB)  # the node as the monitor sees it: a 4 GiB way to max never fits
+    monitor = Monitor(lambda: node, interval_ms=200, cfg=PolicyConfig(memory_wait_s=wait_s), offload="apply")
+    mem_dir = _cgroup_dir(env_cgroup, "memory")
+
+    async def main():
+        env = await start_env(crun_runtime, tmp_path, busybox_rootfs, cgroup=env_cgroup)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(monitor.run)
+            monitor.add(env.env_id, env_cgroup, EnvLimits(memory_min_bytes=64 * MIB, memory_max_bytes=4 << 30))
+            assert "oom_kill_disable 1" in _read(f"{mem_dir}/memory.oom_control")  # elastic: tasks wait
+            t0 = trio.current_time()
+            # Bounded: a 256 MiB string, touched page by page in user space (awk doubles it).
+            bomb = 'BEGIN { s = "x"; while (length(s) < 256 * 1024 * 1024) s = s s; print length(s) }'
+            r = await env.exec(["awk", bomb], timeout_s=40)
+            took = trio.current_time() - t0
+            assert (r.exit_code, r.timed_out) == (137, False), r  # killed inside the env, not left hanging
+            assert wait_s <= took <= wait_s + 5 and took < 30, took
+            assert monitor.metrics(env.env_id).memory_hardened == 1
+            assert monitor.metrics(env.env_id).oom_kills >= 1 or "oom_kill 1" in _read(f"{mem_dir}/memory.oom_control")
+            with trio.fail_after(5):  # nothing waits any more: the limit throttles again
+                while "oom_kill_disable 1" not in _read(f"{mem_dir}/memory.oom_control"):
+                    await trio.sleep(0.1)
+            assert (await env.exec(["echo", "alive"])).stdout == b"alive\n"  # the init survived
+            monitor.remove(env.env_id)
+            nursery.cancel_scope.cancel()
+
+    run(main)

@@ -67,6 +67,9 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
 @click.option("--memory-burst-reservation/--no-memory-burst-reservation", default=True, show_default=True,
               help="A memory burst starts only if the node can cover the env up to its max (no deadlock "
                    "of half-grown envs on a full node).")
+@click.option("--memory-wait", "memory_wait_s", type=click.FloatRange(0, min_open=True), default=20.0,
+              show_default=True, help="Seconds an env may wait at its memory limit for a refused doubling; "
+                                      "then the limit becomes hard and the kernel OOM-kills inside the env.")
 @click.option("--layer-trees-after", type=click.IntRange(0), default=None,
               help="Keep a group layer as a local directory (no FUSE for envs started after) once this many "
                    "env starts used it; 0: never [default: 3, or $WEENV_LAYER_TREES_AFTER].")
@@ -90,7 +93,7 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                cpu_burst_budget: float | None, cpu_min_overcommit: float, memory_burst_reservation: bool,
                layer_trees_after: int | None, layer_trees_size: int | None, debug: bool,
                egress_interfaces: tuple[str, ...] = (), egress_range: str | None = None,
-               egress_table: str | None = None, egress_dns: str | None = None) -> None:
+               egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
     `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
@@ -114,7 +117,7 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
         memory_low_water=memory_low_water, memory_pressure_up_share=memory_pressure_up, hold_s=hold_s,
         memory_headroom_bytes=memory_headroom, node_memory_reserve_bytes=node_reserve,
         cpu_burst_budget_cores=cpu_burst_budget, cpu_min_overcommit=cpu_min_overcommit,
-        memory_burst_reservation=memory_burst_reservation,
+        memory_burst_reservation=memory_burst_reservation, memory_wait_s=memory_wait_s,
     )
     config = DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms,
                           monitor_offload=monitor_offload, policy=policy, cgroup_root=cgroup_root)

@@ -37,6 +37,8 @@ class EnvMetrics(msgspec.Struct, kw_only=True):
     """Episodes in which a CPU doubling was refused (node burst budget spent)."""
     memory_refusals: int = 0
     """Episodes in which a memory doubling was refused (node headroom short)."""
+    memory_hardened: int = 0
+    """Times an env waited ``memory_wait_s`` at its limit and the limit became hard (OOM kill there)."""
     throttled_ns: int = 0
     """CFS throttled time observed while monitored."""
     oom_kills: int = 0
@@ -548,9 +550,9 @@ class Monitor:
                     env.cgroup.set_cpu(d.cpu_quota_cores)
                 if d.memory_change is not None:
                     mem = env.limits.memory_range
-                    actual = env.cgroup.set_memory(
-                        d.memory_limit_bytes, hard_limit_bytes=mem[1] if mem else None
-                    )
+                    # A limit the env waited at for memory_wait_s is also where the kernel kills.
+                    hard = d.memory_limit_bytes if d.state.memory_hard else mem[1] if mem else None
+                    actual = env.cgroup.set_memory(d.memory_limit_bytes, hard_limit_bytes=hard)
             except CgroupError as exc:
                 results.append((None, exc))
                 continue
@@ -622,6 +624,11 @@ class Monitor:
             state = msgspec.structs.replace(state, memory_limit_bytes=actual)
         env.state = state
         m = env.metrics
+        if d.memory_change == "hard":
+            m.memory_hardened += 1
+            log.warning("env %s: %s", env.env_id, next((r for r in d.reasons if "hard limit" in r), ""))
+        elif d.memory_change == "elastic":
+            log.info("env %s: %s", env.env_id, next((r for r in d.reasons if "throttles again" in r), ""))
         for resource, change, before, after in (
             ("cpu", d.cpu_change, old.cpu_quota_cores, state.cpu_quota_cores),
             ("memory", d.memory_change, old.memory_limit_bytes, state.memory_limit_bytes),
@@ -676,6 +683,7 @@ class Monitor:
                     "max_bytes": lim.memory_range[1] if lim.memory_range else None,
                     "refused": env.state.memory_refused,
                     "bursting": env.state.memory_bursting,
+                    "hard": env.state.memory_hard,
                     "reserved_bytes": _reserved(env, env.state),
                     "pressure_some_avg10": s.memory_pressure_some_avg10 if s else None,
                 },
@@ -765,6 +773,8 @@ def render_prometheus(snapshot: dict[str, Any], stats: MonitorStatistics) -> byt
         ooms = CounterMetricFamily("weenv_env_oom_kills", "Processes OOM-killed in the env", labels=["env"])
         oom_events = CounterMetricFamily("weenv_env_oom_events", "Times the env ran out of memory", labels=["env"])
         hits = CounterMetricFamily("weenv_env_memory_limit_hits", "Allocations that hit the limit", labels=["env"])
+        hardened = CounterMetricFamily("weenv_env_memory_hardened", "Waits at the memory limit that ended with the "
+                                       "limit made hard (OOM kill inside the env)", labels=["env"])
         for env_id, e in envs.items():
             m = e["metrics"]
             for resource in ("cpu", "memory"):
@@ -775,7 +785,8 @@ def render_prometheus(snapshot: dict[str, Any], stats: MonitorStatistics) -> byt
             ooms.add_metric([env_id], m["oom_kills"])
             oom_events.add_metric([env_id], m["oom_events"])
             hits.add_metric([env_id], m["memory_limit_hits"])
-        yield from (changes, refusals, throttled, ooms, oom_events, hits)
+            hardened.add_metric([env_id], m["memory_hardened"])
+        yield from (changes, refusals, throttled, ooms, oom_events, hits, hardened)
 
         t = snapshot["totals"]
         c = CounterMetricFamily("weenv_quota_changes", "Quota changes on this node (removed envs included)",

@@ -16,6 +16,11 @@ Rules (see docs/elastic.md for the reasoning and the defaults):
   the env's whole way to its max, which stays reserved until the burst ends (its first halving):
   envs that cannot start a burst wait at their current limit, and every env that started one can
   finish it, so envs never wait on each other's half-grown limits (no deadlock on a full node).
+- Memory wait is bounded: an env whose doubling has been refused for ``memory_wait_s`` gets its
+  current limit as its hard limit ("hard"): the kernel OOM-kills inside the env there instead of
+  letting its tasks wait (v1: sleeping with the OOM killer disabled; v2: throttled above
+  memory.high) for a node that may never have room. The limit turns elastic again ("elastic")
+  once the env no longer asks for more, or with its next doubling or halving.
 - Memory down: usage below ``memory_low_water`` of the limit for ``hold_s`` -> halve, never below
   usage + ``memory_headroom_bytes`` nor the min.
 
@@ -41,6 +46,10 @@ _EPS_S = 1e-6
 
 def _mib(n: int) -> str:
     return f"{n / _MIB:.0f} MiB"
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else _mib(n)
 
 
 class EnvLimits(msgspec.Struct, frozen=True, kw_only=True, dict=True):
@@ -108,6 +117,9 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     None: the node's core count."""
     cpu_min_overcommit: float = 1.0
     """Admission: the sum of CPU mins may reach node cores times this."""
+    memory_wait_s: float = 20.0
+    """How long an env may wait at its memory limit for a refused doubling before that limit
+    becomes hard (the kernel OOM-kills inside the env there). Bounds every stall."""
     memory_burst_reservation: bool = True
     """A burst (memory doublings from a limit the env was not already growing from) starts only
     if the node can cover the env up to its max, and that much stays reserved until the burst
@@ -156,6 +168,11 @@ class EnvQuotaState(msgspec.Struct, frozen=True, kw_only=True):
     memory_bursting: bool = False
     """The env is growing: its way up to max is reserved on the node (memory_burst_reservation)
     until the limit is halved again."""
+    memory_refused_since_s: float | None = None
+    """When the current run of refused memory doublings began (None: not refused)."""
+    memory_hard: bool = False
+    """The limit in force is also the hard limit (the env waited ``memory_wait_s``): the kernel
+    OOM-kills at it rather than throttling."""
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -166,6 +183,8 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     cpu_change: str | None = None
     """"up", "down" or None."""
     memory_change: str | None = None
+    """"up", "down", "hard" (the limit stays, and becomes the kill limit) or "elastic" (it stays,
+    and throttles again below the max)."""
     cpu_refused: bool = False
     memory_refused: bool = False
     reasons: tuple[str, ...] = ()
@@ -279,6 +298,8 @@ def decide(
     mem_low_since = state.memory_low_since_s
     mem_last_change = state.memory_last_change_s
     bursting = state.memory_bursting
+    refused_since = state.memory_refused_since_s
+    hard = state.memory_hard
     mem = limits.memory_range
     if limit is not None and mem is not None and mem[1] > mem[0]:
         lo, hi = mem
@@ -317,16 +338,27 @@ def decide(
                 if granted:
                     new_limit, mem_change, mem_last_change = target, "up", now_s
                     bursting = cfg.memory_burst_reservation
+                    refused_since, hard = None, False  # the new limit is written elastic
                     reasons.append(f"memory {_mib(limit)} -> {_mib(target)}: {', '.join(signals)}")
                 else:
                     mem_refused = True
+                    if refused_since is None:
+                        refused_since = now_s
                     if not state.memory_refused:
                         reasons.append(
                             f"memory stays at {_mib(limit)} ({', '.join(signals)}): node headroom "
                             f"{_mib(max(0, headroom))} < {_mib(need)} needed"
                             + (f" (the way to max {_mib(hi)})" if need != target - limit else "")
                         )
+                    if not hard and now_s - refused_since >= cfg.memory_wait_s - _EPS_S:
+                        hard, mem_change, mem_last_change = True, "hard", now_s
+                        reasons.append(
+                            f"memory {_mib(limit)} is now the hard limit: refused for {now_s - refused_since:.1f} s "
+                            f"(>= {cfg.memory_wait_s:g} s), the kernel OOM-kills inside the env instead of "
+                            f"letting it wait"
+                        )
         elif usage < cfg.memory_low_water * limit and limit > lo:
+            refused_since = None
             if mem_low_since is None:
                 mem_low_since = now_s
             elif now_s - mem_low_since >= cfg.hold_s - _EPS_S:
@@ -334,6 +366,7 @@ def decide(
                 target = max(limit // 2, page_align_up(usage + cfg.memory_headroom_bytes), lo)
                 if target < limit:
                     new_limit, mem_change, mem_last_change = target, "down", now_s
+                    hard = False  # the new limit is written elastic
                     reasons.append(
                         f"memory {_mib(limit)} -> {_mib(target)}: used {_mib(usage)} "
                         f"(< {cfg.memory_low_water:.0%}) for {cfg.hold_s:g} s"
@@ -341,6 +374,12 @@ def decide(
                 mem_low_since = now_s
         else:
             mem_low_since = None
+            refused_since = None
+        if hard and not signals and mem_change is None:
+            # Nothing asks for more any longer (the kill freed memory, or the load went): tasks may
+            # wait at the limit again, for at most memory_wait_s.
+            hard, mem_change, mem_last_change = False, "elastic", now_s
+            reasons.append(f"memory {_mib(limit)} throttles again (below max {_mib(hi)}): nothing waits at it")
 
     new_state = EnvQuotaState(
         cpu_quota_cores=new_quota,
@@ -352,6 +391,8 @@ def decide(
         cpu_refused=cpu_refused,
         memory_refused=mem_refused,
         memory_bursting=bursting,
+        memory_refused_since_s=refused_since,
+        memory_hard=hard,
     )
     return Decision(
         state=new_state,
@@ -375,13 +416,24 @@ def admit(
 ) -> Admission:
     """Can the node guarantee a new env its mins, next to the mins of the envs already running?
 
-    Memory: the mins of all envs must fit in RAM minus the reserve (mins are never taken back),
-    and the new min must fit in today's headroom. CPU: the mins must fit in the node's cores
+    Memory: the new max must fit in RAM minus the reserve (a max the node can never cover is
+    refused, not clamped: the plan says what the env may use, and a silent clamp would OOM-kill it
+    below that); the mins of all envs must fit in RAM minus the reserve (mins are never taken
+    back), and the new min must fit in today's headroom. CPU: the mins must fit in the node's cores
     (times ``cpu_min_overcommit``). (Mins that fill the RAM leave no env room to grow: size mins
     to what an idle env uses.)
     """
     mem = requested_min.memory_range
     cpu = requested_min.cpu_range
+    ceiling = node.memory_total_bytes - cfg.node_memory_reserve_bytes
+    if mem is not None and mem[1] > ceiling:
+        # It could never be granted: the env would wait at its limit for room that cannot come.
+        return Admission(
+            False,
+            f"memory max {_size(mem[1])} is more than this node can ever give one env: {_size(ceiling)} "
+            f"(RAM {_size(node.memory_total_bytes)} minus the {_size(cfg.node_memory_reserve_bytes)} node reserve); "
+            f"lower resources.memory.max to at most that",
+        )
     want_mem = 0 if mem is None else mem[0]
     want_cpu = 0.0 if cpu is None else cpu[0]
     n = 0

@@ -121,15 +121,14 @@ class V2Cgroup(Cgroup):
             high, new_max = limit, hard
         else:
             high, new_max = None, limit
-        # Raise memory.max before memory.high and lower it after, so high <= max at every step.
-        # Lowering memory.max below usage makes the kernel reclaim and then OOM-kill; the elastic
-        # policy only moves memory.high, whose excess is throttled instead.
-        raising = new_max is None or (self._hard is not None and new_max >= self._hard)
-        if raising:
-            self._write("memory.max", "max" if new_max is None else str(new_max))
+        # memory.max first, raising or lowering: when an elastic limit becomes hard (the env waited
+        # its bounded time, weenv/provision/_policy.py) memory.high goes to "max" and memory.max
+        # comes down to the limit; lifting memory.high first would let the throttled tasks run free
+        # up to the old max in between. (memory.high above memory.max for a moment is harmless.)
+        # Lowering memory.max below usage makes the kernel reclaim and then OOM-kill inside the
+        # group; the elastic policy otherwise only moves memory.high, whose excess is throttled.
+        self._write("memory.max", "max" if new_max is None else str(new_max))
         self._write("memory.high", "max" if high is None else str(high))
-        if not raising:
-            self._write("memory.max", str(new_max))
         self._limit = limit
         self._hard = new_max
         return self._limit
