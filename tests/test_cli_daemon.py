@@ -75,6 +75,9 @@ def test_daemon_stop_keeps_the_envlet_for_kept_envs_and_kill_envs_stops_everythi
         assert d.proc.wait(10) == 0
         assert not running(init_pid) and not running(envlet) and not os.path.ismount(mnt)
         assert leftovers(d) == []
+        parents = [top for h in ("memory", "cpu", "pids", "freezer") for top, _, _ in os.walk(f"/sys/fs/cgroup/{h}")
+                   if os.path.basename(top) == d.cgroup_root]
+        assert parents == []  # weenv's parent cgroup went with the last env
     finally:
         assert teardown_private_daemon(d) == []
 

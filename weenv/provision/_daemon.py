@@ -233,6 +233,10 @@ class Daemon:
             log.info("stopped; %d envs keep running, and the envlet keeps serving their layers", len(live))
         else:
             await trio.to_thread.run_sync(self._stop_envlet)
+            try:  # nothing of weenv is left on the node but its files: the parent cgroup goes too
+                await trio.to_thread.run_sync(self.backend.remove_parent)
+            except Exception as e:
+                log.warning("stop: cannot remove weenv's parent cgroup: %s", e)
             log.info("stopped (the envlet too)")
 
     def request_stop(self, *, kill_envs: bool = False) -> None:
@@ -270,8 +274,18 @@ class Daemon:
 
     def _stop_envlet(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the envlet (it unmounts), wait for it; SIGKILL and a lazy unmount past the timeout."""
-        from ..envlet._control import _alive
         from ..envlet._server import clear_stale_mount
+
+        def _alive(pid: int) -> bool:  # a zombie nobody reaps (the envlet is not always our child) is gone
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except (OSError, IndexError):
+                return False
 
         try:
             info = self.envlet.ping()
