@@ -194,8 +194,9 @@ class Daemon:
                 log.error("envlet is down and does not restart: %s", e)
                 continue
             if started:
-                log.error("the envlet had died and was restarted: envs started before keep their overlay on the "
-                          "old mount and may see EIO on files they have not read yet")
+                log.error("the envlet had died and was restarted: envs started before whose layers were on its "
+                          "mount keep running, but files they had not read fail with ENOTCONN (layers kept as "
+                          "local trees are unaffected); recreate those envs (docs/architecture.md)")
 
     # ------------------------------------------------------------------ main
 
