@@ -83,7 +83,7 @@ PUBLIC_API: dict[str, list[str]] = {
     ],
     "weenv.testing": [
         "BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "FakeBackend",
-        "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "Fault", "FixtureCacheError",
+        "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore", "Fault", "FixtureCacheError",
         "HostUnsupported", "LegacySample", "PROBE_SOURCE", "Proxy", "ProxyLog", "RegistryProcess", "Reply",
         "Sample", "attempts", "busybox_plan", "busybox_tree", "byte_tokenizer", "cache_root", "cached",
         "check_debian_tar", "check_executable", "check_file", "check_tar", "check_tree", "debian_tar",
@@ -158,7 +158,7 @@ def test_fakes_live_only_in_weenv_testing() -> None:
                          (weenv.provision.cgroups, "FakeBackend"), (weenv.provision.cgroups, "FakeCgroup")):
         assert not hasattr(module, fake), f"{module.__name__}.{fake} is back in production code"
     assert [n for n in PUBLIC_API["weenv.testing"] if n.startswith("Fake")] == [
-        "FakeBackend", "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang"]
+        "FakeBackend", "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore"]
 
 
 def test_production_code_does_not_import_the_test_harness() -> None:

@@ -1,4 +1,5 @@
-"""The store contract, run against every implementation: the local layout store and a real registry."""
+"""The store contract, run against every implementation: the local layout store, a real registry and
+the in-memory fake of weenv.testing."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import pytest
 
 import weenv.registry as R
 from weenv.registry._oci import INDEX_V1, MANIFEST_V1, canonical_json, descriptor_json, sha256_digest
+from weenv.testing import FakeStore
 
 
-@pytest.fixture(params=["layout", "remote"])
+@pytest.fixture(params=["layout", "remote", "fake"])
 def store(request: pytest.FixtureRequest, tmp_path) -> Iterator[R.Store]:  # type: ignore[no-untyped-def]
     if request.param == "layout":
         s: R.Store = R.LayoutStore(str(tmp_path / "store"))
+    elif request.param == "fake":
+        s = FakeStore()
     else:
         reg = request.getfixturevalue("registry")
         s = R.RemoteStore(reg.host, insecure=True, credentials=None)

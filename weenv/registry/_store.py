@@ -26,8 +26,9 @@ class Descriptor:
 class Store(abc.ABC):
     """A content-addressed store of blobs and manifests, organised by repository.
 
-    Implementations: a remote OCI registry and a local OCI image-layout directory. Both pass the
-    shared conformance suite (tests/test_store_conformance.py). Methods are synchronous and
+    Implementations: a remote OCI registry and a local OCI image-layout directory (and, for unit
+    tests, :class:`weenv.testing.FakeStore` in memory). All pass the shared conformance suite
+    (tests/test_store_conformance.py). Methods are synchronous and
     thread-safe; async callers run them in worker threads.
     """
 

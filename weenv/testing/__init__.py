@@ -1,7 +1,8 @@
 """Harness code shared by tests/ and benchmarks/ (and the fixture cache `weenv demo` looks into).
 
 - fakes of the seams, for unit tests of logic: :class:`FakeRuntime` (containers in memory),
-  :class:`FakeBackend` (cgroups with a workload model driven by a clock);
+  :class:`FakeBackend` (cgroups with a workload model driven by a clock), :class:`FakeStore` (an
+  OCI store in memory);
 - real parts started privately: a weenv daemon (:class:`DaemonHandle`, :func:`busybox_plan`,
   :func:`teardown_private_daemon`), a docker-registry with fault-injecting proxies
   (:func:`start_registry`, :func:`start_proxy`), a fake SGLang server and slime's ``Sample``
@@ -55,6 +56,7 @@ from ._rollout import parse_rollout_result as parse_rollout_result
 from ._rollout import rollout_binary as rollout_binary
 from ._runtime import FakeCommand as FakeCommand
 from ._runtime import FakeRuntime as FakeRuntime
+from ._store import FakeStore as FakeStore
 from ._slime import ByteTokenizer as ByteTokenizer
 from ._slime import FakeSGLang as FakeSGLang
 from ._slime import LegacySample as LegacySample
@@ -67,10 +69,10 @@ from ._slime import train_side_checks as train_side_checks
 from ._slime import turns as turns
 
 __all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "FakeBackend",
-           "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "Fault", "FixtureCacheError", "HostUnsupported",
-           "LegacySample", "PROBE_SOURCE", "Proxy", "ProxyLog", "RegistryProcess", "Reply", "Sample", "attempts",
-           "busybox_plan", "busybox_tree", "byte_tokenizer", "cache_root", "cached", "check_debian_tar",
-           "check_executable", "check_file", "check_tar", "check_tree", "debian_tar", "debian_tar_name", "extracted",
-           "find", "leftovers", "parse_rollout_result", "require_tool", "rollout_binary", "sampling_params",
-           "slime_args", "source_tree", "start_proxy", "start_registry", "stop_proxy", "stop_registry",
-           "teardown_private_daemon", "train_side_checks", "turns", "wait_for"]
+           "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore", "Fault", "FixtureCacheError",
+           "HostUnsupported", "LegacySample", "PROBE_SOURCE", "Proxy", "ProxyLog", "RegistryProcess", "Reply",
+           "Sample", "attempts", "busybox_plan", "busybox_tree", "byte_tokenizer", "cache_root", "cached",
+           "check_debian_tar", "check_executable", "check_file", "check_tar", "check_tree", "debian_tar",
+           "debian_tar_name", "extracted", "find", "leftovers", "parse_rollout_result", "require_tool",
+           "rollout_binary", "sampling_params", "slime_args", "source_tree", "start_proxy", "start_registry",
+           "stop_proxy", "stop_registry", "teardown_private_daemon", "train_side_checks", "turns", "wait_for"]
