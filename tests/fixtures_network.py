@@ -18,8 +18,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
+
+from .fixtures_common import require_command, require_fuse
+from .fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon
 
 OUT_A, OUT_HOST, OUT_B = "198.18.0.1", "198.18.0.2", "198.18.0.3"
 PORT, OTHER_PORT = 8000, 8001
@@ -109,6 +113,52 @@ class Outside:
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+
+
+class EgressDaemon(DaemonHandle):
+    """A private daemon whose egress leaves only by the outside world's veth."""
+
+    world: Outside
+    left: list[str]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        log = open(self.log_path, "ab")
+        w = self.world
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weenv", "daemon", "--cgroup-root", self.cgroup_root,
+             "--egress-interface", w.iface, "--egress-range", w.egress_range, "--egress-table", w.table,
+             "--egress-dns", OUT_A],
+            env=self.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weenv daemon exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                with self.client() as c:
+                    c.ping()
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError(f"weenv daemon did not answer within {timeout_s} s:\n{self.log()[-3000:]}")
+
+
+@contextmanager
+def egress_daemon(world: Outside, name: str = "bb") -> Iterator[EgressDaemon]:
+    """A private daemon (busybox plan) egressing through ``world``; ``.left`` lists what it left."""
+    require_fuse()
+    require_command("crun")
+    home = tempfile.mkdtemp(prefix="weenv-egress-")
+    plan, lock = busybox_plan(home, name)
+    d = EgressDaemon(home, os.path.join(home, "run", "weenv.sock"), f"weenv-net-{os.getpid()}", lock, plan,
+                     os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
+    d.world = world
+    d.left = []
+    d.start()
+    try:
+        yield d
+    finally:
+        d.left = teardown_private_daemon(d) + weenv_links(world.table)
 
 
 def weenv_links(table: str) -> list[str]:

@@ -225,6 +225,8 @@ class EnvInfo(ResponseBody):
     timings_ms: dict[str, float] = {}
     resources: dict[str, Any] | None = None
     """The monitor's view (quotas, usage); in ``GET /v1/envs`` and ``GET /v1/envs/{id}``."""
+    network: dict[str, Any] | None = None
+    """An egress env's addresses, policy, pinned names and accounting (docs/network.md); None otherwise."""
 
 
 class SnapshotInfo(ResponseBody):

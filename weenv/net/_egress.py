@@ -90,6 +90,7 @@ class EgressNetwork:
         self._dns_scopes: dict[str, trio.CancelScope] = {}
         self._base_ready = False
         self._lock = trio.Lock()
+        self._last_counters: dict[str, dict[str, int]] = {}
 
     # -- base ---------------------------------------------------------------------------------
 
@@ -146,17 +147,17 @@ class EgressNetwork:
 
     async def up(self, env_id: str, env_dir: str, policy: EgressPolicy) -> NetState:
         """Wire a new env; on failure everything done so far is undone by :meth:`down`."""
-        await self.ensure_base()
-        resolved = await self._resolve(policy)
         key = env_key(self.table, env_id)
-        taken = {s.slot for s in self.states.values()}
-        index = free_slot(self.range, taken)
+        index = free_slot(self.range, {s.slot for s in self.states.values()})
         sl = slot(self.range, index)
         st = NetState(env_id=env_id, key=key, netns=f"{self.table}-{key[1:]}", veth=f"wv{key[1:]}", slot=index,
-                      address=str(sl.address), gateway=str(sl.gateway), policy=policy.to_builtins(),
-                      resolved=resolved.to_builtins(), resolved_s=time.time())
-        self.states[env_id] = st
+                      address=str(sl.address), gateway=str(sl.gateway), policy=policy.to_builtins())
+        self.states[env_id] = st  # the slot is taken, and gc keeps the table, from here on
         await trio.to_thread.run_sync(self._save, env_dir, st)
+        await self.ensure_base()
+        resolved = await self._resolve(policy)
+        st.resolved, st.resolved_s = resolved.to_builtins(), time.time()
+        await trio.to_thread.run_sync(self._save, env_dir, st)  # what the rules pin, for a restarted daemon
 
         def wire() -> None:
             _host.create_link(netns=st.netns, veth=st.veth, alias=f"{self.table}:{env_id}", address=st.address,
@@ -281,10 +282,10 @@ class EgressNetwork:
 
     async def info(self, env_id: str) -> dict[str, Any]:
         """The env's network as the API shows it: mode, addresses, policy, pinned names, counters."""
-        st = self.states.get(env_id)
-        if st is None:
+        if env_id not in self.states:
             return {"mode": "not egress"}
-        return {**st.public(), "counters": (await self.counters()).get(env_id, {})}
+        await self.counters()
+        return self.public(env_id) or {}
 
     async def change_from_body(self, env_id: str, env_dir: str, body: bytes) -> dict[str, Any]:
         """``POST /v1/envs/{id}/network``: ValueError for a body or entry that is wrong."""
@@ -301,11 +302,20 @@ class EgressNetwork:
     # -- accounting ---------------------------------------------------------------------------
 
     async def counters(self) -> dict[str, dict[str, int]]:
+        """Every egress env's accounting, read from the kernel now (and kept for :meth:`public`)."""
         if not self.states:
             return {}
         text = await trio.to_thread.run_sync(_host.list_table, self.table)
         state = _nft.parse_table(text)
-        return {env_id: _nft.env_counters(state, st.key) for env_id, st in self.states.items()}
+        self._last_counters = {env_id: _nft.env_counters(state, st.key) for env_id, st in self.states.items()}
+        return self._last_counters
+
+    def public(self, env_id: str) -> dict[str, Any] | None:
+        """The env's network for its info: None unless egress; counters as last read."""
+        st = self.states.get(env_id)
+        if st is None:
+            return None
+        return {**st.public(), "counters": self._last_counters.get(env_id, {})}
 
     async def prometheus_text(self) -> str:
         counts = await self.counters()

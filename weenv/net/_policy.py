@@ -80,9 +80,9 @@ def parse_entry(text: str) -> Entry:
         raise ValueError(f"{text!r}: IPv6 is not supported (an egress env has no IPv6 route); "
                          "use IPv4 addresses or host names")
     target, sep, port_text = s.partition(":")
-    ports = _parse_ports(port_text, text) if sep else None
     if sep and not port_text:
         raise ValueError(f"{text!r}: nothing after ':' (write a port such as :443, or leave ':' out for all ports)")
+    ports = _parse_ports(port_text, text) if sep else None
     if target == "node":
         return Entry(text=text, kind="node", ports=ports)
     if re.fullmatch(r"[0-9./]+", target):

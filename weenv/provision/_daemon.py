@@ -380,6 +380,7 @@ class Daemon:
         async def show(req: Request) -> Response:
             rec = await call(_sync(m.get, req.params["id"]))
             top = self.monitor.snapshot().get("envs", {})
+            await m.net.counters()  # the env's accounting, fresh
             return json_response(self._env_info(rec, top.get(rec.id)))
 
         @r.route("DELETE", "/v1/envs/{id}")
@@ -492,7 +493,8 @@ class Daemon:
             return Response(200, text, PROMETHEUS_CONTENT_TYPE)
 
     def _env_info(self, rec: Any, resources: dict[str, Any] | None = None) -> wire.EnvInfo:
-        return msgspec.convert({**rec.public(self.envs_dir), "resources": resources}, wire.EnvInfo)
+        return msgspec.convert({**rec.public(self.envs_dir), "resources": resources,
+                                "network": self.manager.net.public(rec.id)}, wire.EnvInfo)
 
     async def _plan_from_request(self, body: wire.CreateRequest, overrides: dict[str, Any]) -> Any:
         try:
