@@ -13,6 +13,7 @@ reads; httpx drops ``Authorization`` when the redirect leaves the registry's ori
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -382,8 +383,9 @@ class RemoteStore(Store):
                     return None  # NAME_UNKNOWN: a repository with no tags
                 if resp.status_code != 200:
                     raise ProtocolError(f"{where}: unexpected HTTP {resp.status_code}{_error_detail(resp)}")
+                body = self._read_body(resp)
                 with mapped_errors(where):
-                    page = resp.json() if resp.read() else {}
+                    page = json.loads(body) if body else {}
                 tags.extend(t for t in (page.get("tags") or []) if isinstance(t, str))
                 link = resp.links.get("next", {}).get("url")
                 return link
