@@ -151,6 +151,48 @@ def test_read_only_lower_and_read_only_root(crun_runtime, busybox_rootfs, tmp_pa
     assert sorted(os.listdir(lower)) == ["file"] and (lower / "file").read_text() == "lower\n"
 
 
+def test_mounts_are_read_only_nodev_nosuid_noexec_all_the_way_down(crun_runtime, busybox_rootfs, tmp_path,
+                                                                  probe_binary):
+    # Issue 16 item 3: a file system mounted below a plan mount's source on the host (here a
+    # tmpfs holding a char device, a script and a setuid-root binary) used to stay writable, with
+    # working devices, inside the env. Now every flag applies recursively; /sys/fs/cgroup too.
+    src = tmp_path / "data"
+    (src / "sub").mkdir(parents=True)
+    (src / "top.txt").write_text("top\n")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=755", "tmpfs", str(src / "sub")], check=True)
+    try:
+        sub = src / "sub"
+        os.mknod(str(sub / "zero"), 0o666 | stat.S_IFCHR, os.makedev(1, 5))
+        (sub / "run.sh").write_text("#!/bin/sh\necho RAN\n")
+        os.chmod(sub / "run.sh", 0o755)
+        shutil.copy(probe_binary, sub / "suid-probe")
+        os.chmod(sub / "suid-probe", 0o4755)
+
+        async def main():
+            env = await start_env(crun_runtime, tmp_path, busybox_rootfs,
+                                  bind_mounts=[BindMount(source=str(src), destination="/data")])
+            r = await env.sh(
+                "echo x > /data/sub/new && echo SUB-WRITABLE; echo x > /data/new && echo TOP-WRITABLE;"
+                "head -c 3 /data/sub/zero | wc -c; /data/sub/run.sh; cat /data/top.txt;"
+                "mkdir /sys/fs/cgroup/memory/x && echo CG-WRITABLE; touch /sys/fs/cgroup/x && echo CG-TMPFS-WRITABLE;"
+                "echo 1 > /sys/fs/cgroup/memory/memory.limit_in_bytes && echo CG-LIMIT-WRITABLE")
+            assert b"WRITABLE" not in r.stdout and b"RAN" not in r.stdout, r
+            assert r.stdout.split() == [b"0", b"top"], r  # the device gave nothing
+            assert r.stderr.count(b"Read-only file system") == 5 and r.stderr.count(b"Permission denied") == 2, r
+            # Asked for exec: the script runs, the setuid bit still grants nothing, writes still fail.
+            ex = await start_env(crun_runtime, tmp_path, busybox_rootfs, env_id="ex",
+                                 bind_mounts=[BindMount(source=str(src), destination="/data", executable=True)])
+            r = await ex.sh("/data/sub/run.sh; echo x > /data/sub/new && echo SUB-WRITABLE")
+            assert r.stdout == b"RAN\n" and b"Read-only file system" in r.stderr, r
+            r = await ex.exec(["/data/sub/suid-probe", "euid"], user=resolve_user(busybox_rootfs, "user"))
+            assert r.stdout == b"euid=%d\n" % USER_UID, r
+
+        run(main)
+        assert sorted(os.listdir(sub)) == ["run.sh", "suid-probe", "zero"]
+    finally:
+        subprocess.run(["umount", "-l", str(src / "sub")], check=True)
+
+
 # -- processes ---------------------------------------------------------------------------------
 
 

@@ -176,11 +176,16 @@ ROOT_USER = User(uid=0, gid=0, home="/root", name="root")
 
 
 class BindMount(msgspec.Struct, frozen=True, kw_only=True):
-    """A host path made visible inside the env (explicit opt-in; read-only unless asked)."""
+    """A host path made visible inside the env (explicit opt-in). It is read-only, noexec, nosuid
+    and nodev all the way down: file systems mounted below ``source`` on the host get the same
+    flags inside the env (crun's recursive options, ``mount_setattr(AT_RECURSIVE)``, Linux 5.12),
+    so a tmpfs or a disk mounted there is neither writable nor a door to device nodes. ``readonly``
+    and ``executable`` ask for writes and exec; setuid bits and device nodes never work."""
 
     source: str
     destination: str
     readonly: bool = True
+    executable: bool = False
 
 
 # -- seccomp -----------------------------------------------------------------------------------
@@ -358,7 +363,9 @@ def build_spec(
             "destination": "/sys/fs/cgroup",
             "type": "cgroup",
             "source": "cgroup",
-            "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
+            # rro: on a v1 host crun builds /sys/fs/cgroup as a tmpfs of per-hierarchy mounts; plain
+            # ro leaves that tmpfs writable
+            "options": ["nosuid", "noexec", "nodev", "relatime", "ro", "rro"],
         },
     ]
     if init_path is not None:
@@ -389,7 +396,9 @@ def build_spec(
         dest = _check_abs(b.destination, f"bind_mounts[{i}].destination")
         if dest == "/" or dest in taken or dest.startswith(("/proc/", "/sys/", "/dev/")) or dest in ("/proc", "/sys", "/dev"):
             raise SpecError(f"bind_mounts[{i}].destination {dest!r} would cover a path weenv mounts itself")
-        opts = ["rbind", "nosuid", "nodev"] + (["ro"] if b.readonly else [])
+        opts = ["rbind", "nosuid", "nodev", "rnosuid", "rnodev"]
+        opts += [] if b.executable else ["noexec", "rnoexec"]
+        opts += ["ro", "rro"] if b.readonly else []
         mounts.append({"destination": dest, "type": "bind", "source": _check_abs(b.source, f"bind_mounts[{i}].source"), "options": opts})
     spec_env = merge_env(base_env(env_id, user), env)
     note = {ANNOTATION_ENV_ID: env_id, ANNOTATION_NETWORK: network}
