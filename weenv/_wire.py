@@ -32,6 +32,9 @@ MAX_EXEC_TIMEOUT_S = 7 * 86400.0
 MAX_TTL_S = 366 * 86400.0
 MAX_ARGS = 4096  # what weenv-agent takes (its MAX_ARGS)
 MAX_FORK = 1024
+MAX_PTY_SIDE = 65535
+MAX_PROCESS_BUFFER_BYTES = 16 << 20  # what weenv-agent keeps at most (its MAX_BUFFER)
+MAX_STDIN_CHUNK_BYTES = 512 << 10  # base64 of it stays under MAX_JSON_BODY_BYTES
 
 T = TypeVar("T")
 
@@ -85,6 +88,63 @@ class ExecRequest(RequestBody):
 
     def command(self) -> list[str]:
         return list(self.argv) if self.argv is not None else ["/bin/sh", "-c", self.cmd or ""]
+
+
+class PtySize(RequestBody):
+    """A pseudo-terminal's size in characters."""
+
+    rows: Annotated[int, Meta(ge=1, le=MAX_PTY_SIDE)] = 24
+    cols: Annotated[int, Meta(ge=1, le=MAX_PTY_SIDE)] = 80
+
+
+class ProcessStartRequest(RequestBody):
+    """``POST /v1/envs/{id}/processes``: start a command that outlives this request (a process
+    handle, docs/architecture.md "Processes"). Give ``argv`` or ``cmd`` (run by ``/bin/sh -c``)."""
+
+    argv: Annotated[list[NoNul], Meta(min_length=1, max_length=MAX_ARGS)] | None = None
+    cmd: NoNul | None = None
+    env: dict[EnvName, NoNul] | None = None
+    cwd: Path | None = None
+    user: Name | None = None
+    stdin: bool = False
+    """Keep the command's stdin open for ``POST .../stdin`` (else it reads /dev/null)."""
+    pty: PtySize | None = None
+    """Run it on a pseudo-terminal of this size (stdin, stdout and stderr are the terminal)."""
+    tag: Annotated[str, Meta(max_length=256, pattern=r"^[^\x00]*$")] | None = None
+    """A label listed with the process."""
+    buffer_bytes: Annotated[int, Meta(ge=4096, le=MAX_PROCESS_BUFFER_BYTES)] | None = None
+    """Output kept while nobody is connected (newest first dropped oldest; default 1 MiB)."""
+    stream: bool = True
+    """Answer with NDJSON :class:`ProcessEvent` lines until the process ends or the client goes
+    away (the process runs on); false: answer the :class:`ProcessInfo` at once."""
+
+    def __post_init__(self) -> None:
+        if (self.argv is None) == (self.cmd is None):
+            raise ValueError("give exactly one of 'argv' (a non-empty list of strings) or 'cmd' (a string)")
+
+    def command(self) -> list[str]:
+        return list(self.argv) if self.argv is not None else ["/bin/sh", "-c", self.cmd or ""]
+
+
+class StdinRequest(RequestBody):
+    """``POST /v1/envs/{id}/processes/{pid}/stdin``: bytes for the process's stdin, then maybe its end."""
+
+    data_b64: Annotated[bytes, Meta(max_length=MAX_STDIN_CHUNK_BYTES)] = b""
+    close: bool = False
+    """Close stdin after ``data_b64`` (on a pty: send ^D)."""
+
+
+class SignalRequest(RequestBody):
+    """``POST /v1/envs/{id}/processes/{pid}/signal``: a signal for the process's whole session."""
+
+    signal: Annotated[int, Meta(ge=1, le=64)] | Annotated[str, Meta(pattern=r"^(SIG)?[A-Z0-9+-]{2,12}$")] = 15
+    """A number or a name (``SIGTERM``, ``TERM``, ``KILL``)."""
+
+
+class WaitQuery(RequestBody):
+    """``GET /v1/envs/{id}/processes/{pid}/wait?timeout_s=``."""
+
+    timeout_s: TimeoutS | None = None
 
 
 class Overrides(RequestBody):
@@ -317,6 +377,66 @@ class ExecFrame(ResponseBody, kw_only=True, omit_defaults=True):
     data_b64: bytes | None = None
     result: ExecResult | None = None
     error: ErrorInfo | None = None
+
+
+class ProcessEnd(ResponseBody, kw_only=True):
+    """How a process ended: ``exit_code`` is 128+N when signal N ended it (``signal`` is then N)."""
+
+    exit_code: int
+    signal: int | None = None
+    status: str = ""
+    """As E2B words it: ``exit status 3``, ``signal: terminated``."""
+
+
+class ProcessInfo(ResponseBody, kw_only=True):
+    """One process of an env started by weenv (``GET /v1/envs/{id}/processes``)."""
+
+    pid: int
+    """The pid inside the env."""
+    argv: list[str] = []
+    cwd: str | None = None
+    tag: str | None = None
+    pty: bool = False
+    background: bool = True
+    """False for a one-shot exec's command (it dies with its request)."""
+    stdin: bool = False
+    """Its stdin is open for writing."""
+    running: bool = True
+    end: ProcessEnd | None = None
+    buffered_bytes: int = 0
+    """Output kept for the next reader."""
+    dropped_bytes: int = 0
+    """Output lost since the last reader because the buffer was full."""
+
+
+class ProcessStarted(ResponseBody):
+    pid: int
+
+
+class ProcessEvent(ResponseBody, kw_only=True, omit_defaults=True):
+    """One NDJSON line of a process stream: first ``start``, then output (``stream`` + ``data_b64``;
+    ``dropped``: bytes lost while nobody read), then exactly one of ``end`` or ``error``. A stream
+    that ends without either was cut (the process may still run: connect again)."""
+
+    start: ProcessStarted | None = None
+    stream: Literal["stdout", "stderr", "pty"] | None = None
+    data_b64: bytes | None = None
+    dropped: int | None = None
+    end: ProcessEnd | None = None
+    error: ErrorInfo | None = None
+
+
+class ProcessWait(ResponseBody, kw_only=True):
+    """Answer of ``.../wait``: ``end`` is None when the timeout came first."""
+
+    pid: int
+    end: ProcessEnd | None = None
+
+
+class Done(ResponseBody):
+    """Answer of stdin, signal and resize."""
+
+    pid: int
 
 
 # -- codecs -----------------------------------------------------------------------------------
