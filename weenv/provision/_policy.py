@@ -416,24 +416,15 @@ def admit(
 ) -> Admission:
     """Can the node guarantee a new env its mins, next to the mins of the envs already running?
 
-    Memory: the new max must fit in RAM minus the reserve (a max the node can never cover is
-    refused, not clamped: the plan says what the env may use, and a silent clamp would OOM-kill it
-    below that); the mins of all envs must fit in RAM minus the reserve (mins are never taken
-    back), and the new min must fit in today's headroom. CPU: the mins must fit in the node's cores
+    Memory: the mins of all envs must fit in RAM minus the reserve (mins are never taken back);
+    the new max must fit there too (a max the node can never cover is refused, not clamped: the
+    plan says what the env may use, and a silent clamp would OOM-kill it below that); the new min
+    must fit in today's headroom. CPU: the mins must fit in the node's cores
     (times ``cpu_min_overcommit``). (Mins that fill the RAM leave no env room to grow: size mins
     to what an idle env uses.)
     """
     mem = requested_min.memory_range
     cpu = requested_min.cpu_range
-    ceiling = node.memory_total_bytes - cfg.node_memory_reserve_bytes
-    if mem is not None and mem[1] > ceiling:
-        # It could never be granted: the env would wait at its limit for room that cannot come.
-        return Admission(
-            False,
-            f"memory max {_size(mem[1])} is more than this node can ever give one env: {_size(ceiling)} "
-            f"(RAM {_size(node.memory_total_bytes)} minus the {_size(cfg.node_memory_reserve_bytes)} node reserve); "
-            f"lower resources.memory.max to at most that",
-        )
     want_mem = 0 if mem is None else mem[0]
     want_cpu = 0.0 if cpu is None else cpu[0]
     n = 0
@@ -450,6 +441,14 @@ def admit(
             False,
             f"memory min {_mib(want_mem)} does not fit: {_mib(committed_mem)} of {_mib(guaranteed)} "
             f"(RAM minus reserve) already guaranteed to {n} envs",
+        )
+    if mem is not None and mem[1] > guaranteed:
+        # It could never be granted: the env would wait at its limit for room that cannot come.
+        return Admission(
+            False,
+            f"memory max {_size(mem[1])} is more than this node can ever give one env: {_size(guaranteed)} "
+            f"(RAM {_size(node.memory_total_bytes)} minus the {_size(cfg.node_memory_reserve_bytes)} node reserve); "
+            f"lower resources.memory.max to at most that",
         )
     headroom = node.memory_headroom_bytes(cfg)
     if want_mem > headroom:
