@@ -4,7 +4,8 @@
   :class:`FakeBackend` (cgroups with a workload model driven by a clock), :class:`FakeStore` (an
   OCI store in memory);
 - real parts started privately: a weenv daemon (:class:`DaemonHandle`, :func:`busybox_plan`,
-  :func:`teardown_private_daemon`), a docker-registry with fault-injecting proxies
+  :func:`teardown_private_daemon`; one egressing into a test-made network namespace,
+  :func:`egress_daemon` with :class:`Outside`), a docker-registry with fault-injecting proxies
   (:func:`start_registry`, :func:`start_proxy`), a fake SGLang server and slime's ``Sample``
   (:class:`FakeSGLang`, :class:`Sample`);
 - fixtures built once and cached outside the clone (:func:`cached`, :func:`debian_tar`,
@@ -37,6 +38,8 @@ from ._fixturecache import check_tar as check_tar
 from ._fixturecache import check_tree as check_tree
 from ._fixturecache import find as find
 from ._host import HostUnsupported as HostUnsupported
+from ._host import require_fuse as require_fuse
+from ._host import require_root as require_root
 from ._host import require_tool as require_tool
 from ._images import busybox_tree as busybox_tree
 from ._images import check_debian_tar as check_debian_tar
@@ -44,6 +47,17 @@ from ._images import debian_tar as debian_tar
 from ._images import debian_tar_name as debian_tar_name
 from ._images import extracted as extracted
 from ._images import source_tree as source_tree
+from ._network import OUTSIDE_A as OUTSIDE_A
+from ._network import OUTSIDE_B as OUTSIDE_B
+from ._network import OUTSIDE_BIG_BYTES as OUTSIDE_BIG_BYTES
+from ._network import OUTSIDE_HOST as OUTSIDE_HOST
+from ._network import OUTSIDE_NAMES as OUTSIDE_NAMES
+from ._network import OUTSIDE_OTHER_PORT as OUTSIDE_OTHER_PORT
+from ._network import OUTSIDE_PORT as OUTSIDE_PORT
+from ._network import EgressDaemon as EgressDaemon
+from ._network import Outside as Outside
+from ._network import egress_daemon as egress_daemon
+from ._network import weenv_links as weenv_links
 from ._registry import Fault as Fault
 from ._registry import Proxy as Proxy
 from ._registry import ProxyLog as ProxyLog
@@ -68,11 +82,13 @@ from ._slime import slime_args as slime_args
 from ._slime import train_side_checks as train_side_checks
 from ._slime import turns as turns
 
-__all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "FakeBackend",
-           "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore", "Fault", "FixtureCacheError",
-           "HostUnsupported", "LegacySample", "PROBE_SOURCE", "Proxy", "ProxyLog", "RegistryProcess", "Reply",
-           "Sample", "attempts", "busybox_plan", "busybox_tree", "byte_tokenizer", "cache_root", "cached",
-           "check_debian_tar", "check_executable", "check_file", "check_tar", "check_tree", "debian_tar",
-           "debian_tar_name", "extracted", "find", "leftovers", "parse_rollout_result", "require_tool",
-           "rollout_binary", "sampling_params", "slime_args", "source_tree", "start_proxy", "start_registry",
-           "stop_proxy", "stop_registry", "teardown_private_daemon", "train_side_checks", "turns", "wait_for"]
+__all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "EgressDaemon",
+           "FakeBackend", "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore", "Fault",
+           "FixtureCacheError", "HostUnsupported", "LegacySample", "OUTSIDE_A", "OUTSIDE_B", "OUTSIDE_BIG_BYTES",
+           "OUTSIDE_HOST", "OUTSIDE_NAMES", "OUTSIDE_OTHER_PORT", "OUTSIDE_PORT", "Outside", "PROBE_SOURCE", "Proxy",
+           "ProxyLog", "RegistryProcess", "Reply", "Sample", "attempts", "busybox_plan", "busybox_tree",
+           "byte_tokenizer", "cache_root", "cached", "check_debian_tar", "check_executable", "check_file", "check_tar",
+           "check_tree", "debian_tar", "debian_tar_name", "egress_daemon", "extracted", "find", "leftovers",
+           "parse_rollout_result", "require_fuse", "require_root", "require_tool", "rollout_binary", "sampling_params",
+           "slime_args", "source_tree", "start_proxy", "start_registry", "stop_proxy", "stop_registry",
+           "teardown_private_daemon", "train_side_checks", "turns", "wait_for", "weenv_links"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import unittest
 
@@ -20,3 +21,17 @@ def require_tool(name: str) -> str:
     if path is None:
         raise HostUnsupported(f"needs {name!r} on PATH (apt package missing on this host)")
     return path
+
+
+def require_root() -> None:
+    """:class:`HostUnsupported` unless this process runs as root."""
+    if os.geteuid() != 0:
+        raise HostUnsupported(f"needs root: this host runs as uid {os.geteuid()}")
+
+
+def require_fuse() -> None:
+    """Root, /dev/fuse and fusermount3, or :class:`HostUnsupported`."""
+    require_root()
+    if not os.path.exists("/dev/fuse"):
+        raise HostUnsupported("needs /dev/fuse: this host has no FUSE device")
+    require_tool("fusermount3")
