@@ -85,6 +85,8 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
               help="nftables table (inet) holding weenv's rules; nothing else is touched [default: weenv].")
 @click.option("--egress-dns", default=None, metavar="ADDR[:PORT]",
               help="DNS server that resolves the host names in allow lists [default: the node's resolver].")
+@click.option("--node-name", default=None, metavar="NAME",
+              help="Start every env id with NAME- (1-12 of a-z0-9; a cluster routes ids by it) [default: $WEENV_NODE_NAME].")
 @click.option("--debug", is_flag=True)
 @click.pass_context
 def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
@@ -93,7 +95,8 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                cpu_burst_budget: float | None, cpu_min_overcommit: float, memory_burst_reservation: bool,
                layer_trees_after: int | None, layer_trees_size: int | None, debug: bool,
                egress_interfaces: tuple[str, ...] = (), egress_range: str | None = None,
-               egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0) -> None:
+               egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0,
+               node_name: str | None = None) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
     `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
@@ -126,6 +129,14 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
     if layer_trees_size is not None:
         config.layer_trees_size_bytes = layer_trees_size
     config.egress_interfaces = list(egress_interfaces)
+    if node_name is not None:
+        import re
+
+        from ..provision._state import NODE_NAME_PATTERN
+
+        if not re.fullmatch(NODE_NAME_PATTERN, node_name):
+            raise click.BadParameter(f"{node_name!r}: 1 to 12 lowercase letters or digits", param_hint="--node-name")
+        config.node_name = node_name
     for name, value in (("egress_range", egress_range), ("egress_table", egress_table), ("egress_dns", egress_dns)):
         if value is not None:
             setattr(config, name, value)

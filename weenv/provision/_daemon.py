@@ -82,6 +82,9 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     egress_range: str = "10.213.0.0/16"
     egress_table: str = "weenv"
     egress_dns: str | None = None
+    # env ids start with "<node_name>-" (1-12 of [a-z0-9]; None: env WEENV_NODE_NAME, else no prefix),
+    # so a cluster gateway routes an id to its node without asking (docs/cluster.md)
+    node_name: str | None = msgspec.field(default_factory=lambda: os.environ.get("WEENV_NODE_NAME") or None)
 
 
 def _size_env(name: str, default: int) -> int:
@@ -136,6 +139,9 @@ class Daemon:
     def __init__(self, config: DaemonConfig | None = None, *, runtime: Runtime | None = None,
                  backend: CgroupBackend | None = None):
         self.config = config or DaemonConfig()
+        from . import _state
+
+        _state.set_node_name(self.config.node_name)
         home = self.config.home
         self.run_dir = os.path.join(home, "run")
         self.socket_path = os.path.join(self.run_dir, "weenv.sock")

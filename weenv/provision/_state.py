@@ -42,9 +42,25 @@ class EnvRecord(msgspec.Struct, kw_only=True):
         }
 
 
+NODE_NAME_PATTERN = r"[a-z0-9]{1,12}"
+_node_name = ""  # set once by the daemon at start (weenv daemon --node-name): env ids then name their node
+
+
+def set_node_name(name: str | None) -> None:
+    """Make every new env id start with ``<name>-`` (a cluster routes by it, docs/cluster.md)."""
+    global _node_name
+    import re
+
+    if name and not re.fullmatch(NODE_NAME_PATTERN, name):
+        raise ValueError(f"node name {name!r}: must be 1 to 12 lowercase letters or digits (no '-': "
+                         f"an env id's first '-' ends its node name)")
+    _node_name = name or ""
+
+
 def new_env_id(name: str) -> str:
-    """``<plan name>-<8 hex>``: short enough for a hostname, a cgroup and a crun container id."""
-    return f"{name[:40].rstrip('-') or 'env'}-{secrets.token_hex(4)}"
+    """``[<node>-]<plan name>-<8 hex>``: short enough for a hostname (63), a cgroup and a crun container id."""
+    prefix = f"{_node_name}-" if _node_name else ""
+    return f"{prefix}{name[:40].rstrip('-') or 'env'}-{secrets.token_hex(4)}"
 
 
 def env_dir(envs_dir: str, env_id: str) -> str:
