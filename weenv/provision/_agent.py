@@ -25,12 +25,13 @@ import socket
 import struct
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import trio
 
 from .._unixsock import bind_unix
-from ._errors import ContainerError
+from .. import _wire as wire
+from ._errors import ContainerError, ProcessNotFoundError, ProcessStartError, ProcessStateError
 
 log = logging.getLogger("weenv.daemon")
 
@@ -154,6 +155,270 @@ async def _check_agent(stream: trio.SocketStream, buf: bytearray, key: bytes, de
     raise ContainerError(f"the env's agent did not identify itself within {deadline_s:g} s", env_id=env_id)
 
 
+def _request(argv: Sequence[str], env: Sequence[str], cwd: str, uid: int, gid: int, groups: Sequence[int],
+             env_id: str, **extra: str | None) -> bytes:
+    fields: list[str] = []
+    for a in argv:
+        fields += ["arg", a]
+    for e in env:
+        fields += ["env", e]
+    fields += ["cwd", cwd, "uid", str(uid), "gid", str(gid)]
+    for g in groups:
+        fields += ["group", str(g)]
+    for k, v in extra.items():
+        if v is not None:
+            fields += [k, v]
+    if any("\0" in f for f in fields):
+        raise ContainerError("argv, env and cwd must not contain NUL bytes", env_id=env_id)
+    return b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in fields)
+
+
+def _kv(body: bytes) -> list[tuple[str, str]]:
+    parts = body.split(b"\0")
+    return [(parts[i].decode("utf-8", "surrogateescape"), parts[i + 1].decode("utf-8", "surrogateescape"))
+            for i in range(0, len(parts) - 1, 2)]
+
+
+def _end(body: bytes) -> wire.ProcessEnd:
+    """An 'X' payload: "CODE" or "CODE SIGNAL" (older agents send only the code)."""
+    words = body.split()
+    code = int(words[0]) if words and words[0].isdigit() else 255
+    sig = int(words[1]) if len(words) > 1 and words[1].isdigit() else None
+    if sig is not None:
+        try:
+            name = signal.Signals(sig).name[3:].lower()
+        except ValueError:
+            name = str(sig)
+        status = f"signal: {_SIGNAL_WORDS.get(name, name)}"
+    else:
+        status = f"exit status {code}"
+    return wire.ProcessEnd(exit_code=code, signal=sig, status=status)
+
+
+_SIGNAL_WORDS = {"term": "terminated", "kill": "killed", "int": "interrupt", "hup": "hangup", "quit": "quit",
+                 "abrt": "aborted", "segv": "segmentation fault", "pipe": "broken pipe", "alrm": "alarm clock"}
+_STREAMS = {b"O": "stdout", b"e": "stderr", b"T": "pty"}
+
+
+def _failure_text(body: bytes, argv0: str, cwd: str, uid: int, gid: int, env_id: str) -> tuple[str, bool]:
+    """An 'F' payload ("errno*10+stage stage-name") in words; and whether the command does not exist."""
+    number = body.decode("utf-8", "replace").partition(" ")[0]
+    n, stage = divmod(int(number), 10) if number.isdigit() else (0, 0)
+    why = os.strerror(n) if n else "unknown error"
+    if stage == 3 and n in (errno.ENOENT, errno.ENOTDIR):
+        return f"weenv: command not found in env {env_id}: {argv0}\n", True
+    if stage == 2:
+        return f"weenv: cannot change to directory {cwd!r} in env {env_id}: {why}\n", False
+    if stage == 1:
+        return f"weenv: cannot switch to uid {uid} gid {gid} in env {env_id}: {why}\n", False
+    if stage == 4:
+        return f"weenv: no such process in env {env_id}\n", False
+    return f"weenv: cannot run {argv0!r} in env {env_id}: {why} ({body.decode('utf-8', 'replace')})\n", False
+
+
+class AgentProcess:
+    """One connection to the agent about one process: its events come in, stdin, signals and
+    terminal sizes go out. Closing it detaches: a background process runs on (a one-shot one is
+    killed, with its whole session). Implements :class:`weenv.provision.ProcessStream`."""
+
+    def __init__(self, stream: trio.SocketStream, buf: bytearray, env_id: str, pid: int, *, pty: bool = False):
+        self._stream, self._buf, self.env_id, self.pid, self.pty = stream, buf, env_id, pid, pty
+        self.end: wire.ProcessEnd | None = None
+        self._closed = False
+
+    async def receive(self) -> wire.ProcessEvent | None:
+        """The next output, ``dropped`` or ``end`` event; None after the end."""
+        while self.end is None:
+            frame = await _read_frame(self._stream, self._buf)
+            if frame is None:
+                raise ContainerError("the env's agent closed the connection (did the env stop?)", env_id=self.env_id)
+            kind, body = frame
+            name = _STREAMS.get(kind)
+            if name is not None:
+                return wire.ProcessEvent(stream=name, data_b64=body)  # type: ignore[arg-type]
+            if kind == b"X":
+                self.end = _end(body)
+                return wire.ProcessEvent(end=self.end)
+            if kind == b"D":
+                return wire.ProcessEvent(dropped=int(body) if body.isdigit() else 0)
+            if kind == b"Y":
+                continue
+        return None
+
+    def __aiter__(self) -> AsyncIterator[wire.ProcessEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[wire.ProcessEvent]:
+        while (ev := await self.receive()) is not None:
+            yield ev
+
+    async def send(self, kind: bytes, body: bytes = b"") -> None:
+        await self._stream.send_all(_frame(kind, body))
+
+    async def write_stdin(self, data: bytes) -> None:
+        for i in range(0, len(data), 1 << 20):
+            await self.send(b"I", data[i : i + (1 << 20)])
+
+    async def close_stdin(self) -> None:
+        await self.send(b"E")
+
+    async def signal(self, sig: int) -> None:
+        await self.send(b"K", str(int(sig)).encode())
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self.send(b"W", f"{int(rows)} {int(cols)}".encode())
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._stream.aclose()
+
+    async def __aenter__(self) -> AgentProcess:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with trio.CancelScope(shield=True):
+            await self.aclose()
+
+
+async def _open(socket_path: str, env_id: str, connect_deadline_s: float) -> tuple[trio.SocketStream, bytearray]:
+    key = _read_key(socket_path)
+    stream = await _connect(socket_path, connect_deadline_s)
+    buf = bytearray()
+    try:
+        if key is not None:
+            await _check_agent(stream, buf, key, connect_deadline_s, env_id)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+    return stream, buf
+
+
+async def _first(stream: trio.SocketStream, buf: bytearray, env_id: str) -> tuple[bytes, bytes]:
+    frame = await _read_frame(stream, buf)
+    if frame is None:
+        raise ContainerError("the env's agent closed the connection (did the env stop?)", env_id=env_id)
+    return frame
+
+
+async def agent_start(
+    socket_path: str, argv: Sequence[str], *, env: Sequence[str], cwd: str, uid: int, gid: int,
+    groups: Sequence[int], stdin: bool | bytes, env_id: str, background: bool = True,
+    pty: tuple[int, int] | None = None, tag: str | None = None, buffer_bytes: int | None = None,
+    connect_deadline_s: float = 5.0,
+) -> AgentProcess:
+    """Start ``argv`` through the agent; returns the attached :class:`AgentProcess` once it runs.
+
+    ``stdin``: True keeps it open, bytes are written and then closed, False gives /dev/null.
+    Raises :class:`ProcessStartError` when the command cannot start (``not_found`` for a
+    command the env does not have)."""
+    request = _request(argv, env, cwd, uid, gid, groups, env_id, stdin="1" if stdin is not False else "0",
+                       background="1" if background else None, pty="1" if pty else None,
+                       rows=str(pty[0]) if pty else None, cols=str(pty[1]) if pty else None, tag=tag,
+                       buffer=str(buffer_bytes) if buffer_bytes else None)
+    stream, buf = await _open(socket_path, env_id, connect_deadline_s)
+    try:
+        msg = _frame(b"R", request)
+        if isinstance(stdin, bytes):
+            for i in range(0, len(stdin), 1 << 20):
+                msg += _frame(b"I", stdin[i : i + (1 << 20)])
+            msg += _frame(b"E")
+        await stream.send_all(msg)
+        kind, body = await _first(stream, buf, env_id)
+        if kind == b"P":
+            return AgentProcess(stream, buf, env_id, int(body), pty=pty is not None)
+        if kind in (b"O", b"e", b"T", b"X"):  # an agent that does not say 'P' first: the pid is unknown
+            buf[:0] = _frame(kind, body)
+            return AgentProcess(stream, buf, env_id, 0, pty=pty is not None)
+        if kind == b"F":
+            text, not_found = _failure_text(body, argv[0], cwd, uid, gid, env_id)
+            # the text names the env already
+            raise ProcessStartError(text.strip().removeprefix("weenv: "), not_found=not_found)
+        raise ContainerError(f"the env's agent answered a start with frame {kind!r}", env_id=env_id)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+
+
+async def agent_attach(socket_path: str, pid: int, *, env_id: str, output: bool = True,
+                       connect_deadline_s: float = 5.0) -> AgentProcess:
+    """Attach to process ``pid``: with ``output`` its events (first the output kept while nobody
+    read, then live), else control only (stdin, signals, resize, and its end)."""
+    stream, buf = await _open(socket_path, env_id, connect_deadline_s)
+    try:
+        await stream.send_all(_frame(b"A", b"pid\0%d\0output\0%s\0" % (pid, b"1" if output else b"0")))
+        kind, body = await _first(stream, buf, env_id)
+        if kind == b"P":
+            return AgentProcess(stream, buf, env_id, pid)
+        if kind == b"F":
+            raise ProcessNotFoundError(f"no process {pid} started by weenv", env_id=env_id)
+        raise ContainerError(f"the env's agent answered an attach with frame {kind!r}", env_id=env_id)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+
+
+async def agent_control(socket_path: str, pid: int, frames: Sequence[tuple[bytes, bytes]], *, env_id: str,
+                        connect_deadline_s: float = 5.0) -> None:
+    """Send ``frames`` (stdin 'I'/'E', signal 'K', size 'W') to process ``pid``; returns once the
+    agent has taken them (so a later call's frames come after these). Raises
+    :class:`ProcessStateError` when the process could not take one."""
+    async with await agent_attach(socket_path, pid, env_id=env_id, output=False,
+                                  connect_deadline_s=connect_deadline_s) as proc:
+        for kind, body in frames:
+            await proc.send(kind, body)
+            frame = await _read_frame(proc._stream, proc._buf)
+            if frame is None:
+                raise ContainerError("the env's agent closed the connection (did the env stop?)", env_id=env_id)
+            if frame[0] == b"X":
+                raise ProcessStateError(f"process {pid} has exited", env_id=env_id)
+            if frame != (b"Y", b"1"):
+                what = {b"I": "its stdin is closed (or was never opened: start it with stdin)",
+                        b"E": "its stdin is closed", b"W": "it is not on a pty",
+                        b"K": "it has exited"}.get(kind, "it refused the frame")
+                raise ProcessStateError(f"process {pid}: {what}", env_id=env_id)
+
+
+async def agent_wait(socket_path: str, pid: int, *, env_id: str, connect_deadline_s: float = 5.0) -> wire.ProcessEnd:
+    """Wait for process ``pid`` to end (its output stays for the next reader)."""
+    async with await agent_attach(socket_path, pid, env_id=env_id, output=False,
+                                  connect_deadline_s=connect_deadline_s) as proc:
+        async for _ev in proc:
+            pass
+    assert proc.end is not None
+    return proc.end
+
+
+async def agent_list(socket_path: str, *, env_id: str, connect_deadline_s: float = 5.0) -> list[wire.ProcessInfo]:
+    """The processes the agent started that it still knows (running, and recently finished background ones)."""
+    stream, buf = await _open(socket_path, env_id, connect_deadline_s)
+    out: list[wire.ProcessInfo] = []
+    async with stream:
+        await stream.send_all(_frame(b"L"))
+        while (frame := await _read_frame(stream, buf)) is not None:
+            if frame[0] != b"L":
+                continue
+            d: dict[str, str] = {}
+            argv: list[str] = []
+            for k, v in _kv(frame[1]):
+                if k == "arg":
+                    argv.append(v)
+                else:
+                    d[k] = v
+            running = d.get("state") == "running"
+            end = None
+            if not running:
+                end = _end(f"{d.get('code', '255')} {d.get('signal', '')}".encode())
+            out.append(wire.ProcessInfo(
+                pid=int(d["pid"]), argv=argv, cwd=d.get("cwd"), tag=d.get("tag"), pty=d.get("pty") == "1",
+                background=d.get("background") == "1", stdin=d.get("stdin") == "1", running=running, end=end,
+                buffered_bytes=int(d.get("buffered", "0")), dropped_bytes=int(d.get("dropped", "0"))))
+    return out
+
+
 async def agent_exec(
     socket_path: str,
     argv: Sequence[str],
@@ -171,50 +436,34 @@ async def agent_exec(
     kill_grace_s: float = 5.0,
     connect_deadline_s: float = 5.0,
 ):  # type: ignore[no-untyped-def]
-    """Run one command through the agent; returns an ExecResult (exit 137 and timed_out at the timeout)."""
+    """Run one command through the agent (a one-shot process: it dies with this call) and
+    collect it; returns an ExecResult (exit 137 and timed_out at the timeout)."""
     from ._runtime import ExecResult
 
-    fields: list[str] = []
-    for a in argv:
-        fields += ["arg", a]
-    for e in env:
-        fields += ["env", e]
-    fields += ["cwd", cwd, "uid", str(uid), "gid", str(gid), "stdin", "1" if stdin is not None else "0"]
-    for g in groups:
-        fields += ["group", str(g)]
-    if any("\0" in f for f in fields):
-        raise ContainerError("argv, env and cwd must not contain NUL bytes", env_id=env_id)
-    request = b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in fields)
     started = time.perf_counter()
     out, err = bytearray(), bytearray()
     trunc = {"stdout": False, "stderr": False}
+    try:
+        proc = await agent_start(socket_path, argv, env=env, cwd=cwd, uid=uid, gid=gid, groups=groups,
+                                 stdin=stdin if stdin is not None else False, env_id=env_id, background=False,
+                                 connect_deadline_s=connect_deadline_s)
+    except ProcessStartError as e:  # as a shell says it: on stderr, with exit status 127 / 126
+        text = f"weenv: {e}\n".encode()
+        if on_output is not None:
+            r = on_output("stderr", text)
+            if inspect.isawaitable(r):
+                await r
+        return ExecResult(exit_code=127 if e.not_found else 126, stderr=text,
+                               duration_s=time.perf_counter() - started, command_not_found=e.not_found)
     timed_out = False
-    not_found = False
-    code: int | None = None
-    key = _read_key(socket_path)
-    stream = await _connect(socket_path, connect_deadline_s)
-    async with stream:
-        buf = bytearray()
-        if key is not None:
-            await _check_agent(stream, buf, key, connect_deadline_s, env_id)
-        msg = _frame(b"R", request)
-        if stdin is not None:
-            for i in range(0, len(stdin), 1 << 20):
-                msg += _frame(b"I", stdin[i : i + (1 << 20)])
-            msg += _frame(b"E")
-        await stream.send_all(msg)
+    async with proc:
 
         async def pump(deadline: float) -> None:
-            nonlocal code, not_found
             with trio.move_on_at(deadline):
-                while True:
-                    frame = await _read_frame(stream, buf)
-                    if frame is None:
-                        raise ContainerError("the env's agent closed the connection (did the env stop?)", env_id=env_id)
-                    kind, body = frame
-                    if kind in (b"O", b"e"):
-                        name = "stdout" if kind == b"O" else "stderr"
-                        sink = out if kind == b"O" else err
+                async for ev in proc:
+                    if ev.stream is not None and ev.data_b64 is not None:
+                        name, body = ev.stream, ev.data_b64
+                        sink = out if name == "stdout" else err
                         room = max_output_bytes - len(sink)
                         if len(body) > room:
                             trunc[name] = True
@@ -224,36 +473,13 @@ async def agent_exec(
                             r = on_output(name, body)
                             if inspect.isawaitable(r):
                                 await r
-                    elif kind == b"F":  # payload "errno*10+stage stage-name"
-                        number = body.decode("utf-8", "replace").partition(" ")[0]
-                        n, stage = divmod(int(number), 10) if number.isdigit() else (0, 0)
-                        why = os.strerror(n) if n else "unknown error"
-                        if stage == 3 and n in (errno.ENOENT, errno.ENOTDIR):
-                            not_found = True
-                            text = f"weenv: command not found in env {env_id}: {argv[0]}\n"
-                        elif stage == 2:
-                            text = f"weenv: cannot change to directory {cwd!r} in env {env_id}: {why}\n"
-                        elif stage == 1:
-                            text = f"weenv: cannot switch to uid {uid} gid {gid} in env {env_id}: {why}\n"
-                        else:
-                            text = f"weenv: cannot run {argv[0]!r} in env {env_id}: {why}\n"
-                        err.extend(text.encode())
-                        if on_output is not None:
-                            r = on_output("stderr", text.encode())
-                            if inspect.isawaitable(r):
-                                await r
-                    elif kind == b"X":
-                        code = int(body or b"255")
-                        return
 
-        deadline = math.inf if timeout_s is None else trio.current_time() + timeout_s
-        await pump(deadline)
-        if code is None:  # timed out: kill the command's whole session, then take its exit status
+        await pump(math.inf if timeout_s is None else trio.current_time() + timeout_s)
+        if proc.end is None:  # timed out: kill the command's whole session, then take its exit status
             timed_out = True
-            await stream.send_all(_frame(b"K", str(int(signal.SIGKILL)).encode()))
+            await proc.signal(signal.SIGKILL)
             await pump(trio.current_time() + kill_grace_s)
-            if code is None:
-                code = 137
+    code = proc.end.exit_code if proc.end is not None else 137
     return ExecResult(exit_code=code, stdout=bytes(out), stderr=bytes(err), timed_out=timed_out,
-                      duration_s=time.perf_counter() - started, stdout_truncated=trunc["stdout"],
-                      stderr_truncated=trunc["stderr"], command_not_found=not_found)
+                           duration_s=time.perf_counter() - started, stdout_truncated=trunc["stdout"],
+                           stderr_truncated=trunc["stderr"], command_not_found=False)

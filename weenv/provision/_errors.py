@@ -109,6 +109,25 @@ class ContainerExistsError(ContainerError):
     """Raised by ``create()`` for an env id that already has a container."""
 
 
+class ProcessNotFoundError(ContainerError, LookupError):
+    """Raised for a pid that is not among the env's processes weenv started (or was forgotten:
+    the agent keeps the newest 64 finished background processes)."""
+
+
+class ProcessStateError(ContainerError):
+    """Raised when a process cannot take the operation: stdin closed or never opened, no pty to
+    resize, or it already exited."""
+
+
+class ProcessStartError(ContainerError):
+    """Raised when a process handle's command could not be started (not found, bad cwd or user);
+    ``not_found`` says the command does not exist in the env."""
+
+    def __init__(self, message: str, *, env_id: str | None = None, detail: str | None = None, not_found: bool = False):
+        super().__init__(message, env_id=env_id, detail=detail)
+        self.not_found = not_found
+
+
 class EnvFileError(ProvisionError):
     """Raised when a file operation inside an env's rootfs fails; names the path as seen inside
     the env."""

@@ -43,9 +43,10 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from fcntl import ioctl
 from functools import partial
+from typing import Protocol
 
 import msgspec
 import trio
@@ -63,7 +64,8 @@ from ._ocispec import (
     merge_env,
     render_etc_files,
 )
-from ._agent import agent_exec
+from .. import _wire as wire
+from ._agent import agent_attach, agent_control, agent_exec, agent_list, agent_start, agent_wait
 
 _timing_log = logging.getLogger("weenv.runtime.timing")
 
@@ -94,6 +96,35 @@ class ContainerState(msgspec.Struct, frozen=True, kw_only=True):
     status: str
     bundle: str = ""
     created: str = ""
+
+
+class ProcessStream(Protocol):
+    """An attached process handle (docs/architecture.md, "Processes"): its events come in
+    (:class:`weenv._wire.ProcessEvent`: output, ``dropped``, then ``end``), stdin, signals and pty
+    sizes go out. Closing it detaches; the process runs on."""
+
+    pid: int
+    pty: bool
+    end: wire.ProcessEnd | None
+
+    async def receive(self) -> wire.ProcessEvent | None:
+        """The next event; None after ``end``."""
+
+    def __aiter__(self) -> AsyncIterator[wire.ProcessEvent]: ...
+
+    async def write_stdin(self, data: bytes) -> None: ...
+
+    async def close_stdin(self) -> None: ...
+
+    async def signal(self, sig: int) -> None: ...
+
+    async def resize(self, rows: int, cols: int) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> "ProcessStream": ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
 
 
 class Runtime(abc.ABC):
@@ -129,6 +160,56 @@ class Runtime(abc.ABC):
         init's) and collect its output. ``on_output(stream, data)`` sees each chunk as it comes
         (``stream`` is "stdout" or "stderr"; it may be a coroutine function). At ``timeout_s`` the
         command and everything it started are killed."""
+
+    # -- process handles (docs/architecture.md, "Processes"); a runtime without them says so ----
+
+    async def start_process(
+        self,
+        env_id: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: User | None = None,
+        stdin: bool = False,
+        pty: tuple[int, int] | None = None,
+        tag: str | None = None,
+        buffer_bytes: int | None = None,
+        cgroup_procs: Sequence[str] = (),
+    ) -> ProcessStream:
+        """Start ``argv`` as a background process (as :meth:`exec` runs one) and return it
+        attached. It outlives the stream: closing the stream only detaches. ``stdin`` keeps its
+        stdin open; ``pty`` (rows, cols) puts it on a pseudo-terminal. Output produced while nobody
+        is attached is kept (``buffer_bytes``, the newest) for the next :meth:`connect_process`.
+        Raises :class:`~weenv.provision.ProcessStartError` when the command cannot start."""
+        raise ContainerError(f"the {type(self).__name__} runtime has no process handles", env_id=env_id)
+
+    async def connect_process(self, env_id: str, pid: int) -> ProcessStream:
+        """Attach to process ``pid`` (a running or recently finished one): first the output kept
+        since the last reader, then live. Raises :class:`~weenv.provision.ProcessNotFoundError`."""
+        raise ContainerError(f"the {type(self).__name__} runtime has no process handles", env_id=env_id)
+
+    async def list_processes(self, env_id: str) -> list[wire.ProcessInfo]:
+        """The env's processes weenv started: running ones, and recently finished background ones."""
+        raise ContainerError(f"the {type(self).__name__} runtime has no process handles", env_id=env_id)
+
+    async def send_stdin(self, env_id: str, pid: int, data: bytes, *, close: bool = False) -> None:
+        """Write ``data`` to the process's stdin (then close it, on a pty send ^D). Calls are taken
+        in order. Raises :class:`~weenv.provision.ProcessStateError` when its stdin is closed."""
+        raise ContainerError(f"the {type(self).__name__} runtime has no process handles", env_id=env_id)
+
+    async def signal_process(self, env_id: str, pid: int, sig: int) -> None:
+        """Send ``sig`` to every process of the process's session."""
+        raise ContainerError(f"the {type(self).__name__} runtime has no process handles", env_id=env_id)
+
+    async def resize_process(self, env_id: str, pid: int, rows: int, cols: int) -> None:
+        """Set the size of the process's pty (it gets SIGWINCH)."""
+        raise ContainerError(f"the {type(self).__name__} runtime has no process handles", env_id=env_id)
+
+    async def wait_process(self, env_id: str, pid: int, timeout_s: float | None = None) -> wire.ProcessEnd | None:
+        """How the process ended, once it has; None if ``timeout_s`` came first. Its output stays
+        for the next reader."""
+        raise ContainerError(f"the {type(self).__name__} runtime has no process handles", env_id=env_id)
 
     @abc.abstractmethod
     async def kill(self, env_id: str, sig: int = signal.SIGKILL) -> None:
@@ -603,6 +684,66 @@ class CrunRuntime(Runtime):
         finally:
             for fd in closing:
                 os.close(fd)
+
+    # -- process handles: all through the env's agent, which keeps the process table ----------
+
+    async def _agent_socket(self, env_id: str) -> tuple[str, dict, User]:
+        _init_pid, base = await self._lookup(env_id)
+        if env_id not in self._started:
+            raise ContainerError("cannot start processes in an env that was created but not started", env_id=env_id)
+        agent = self._agents.get(env_id)
+        if agent is None:
+            raise ContainerError("process handles need the in-env agent; this env runs without it "
+                                 "(daemon use_agent=False or no C compiler)", env_id=env_id)
+        return agent[0], base, agent[1]
+
+    async def start_process(
+        self,
+        env_id: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: User | None = None,
+        stdin: bool = False,
+        pty: tuple[int, int] | None = None,
+        tag: str | None = None,
+        buffer_bytes: int | None = None,
+        cgroup_procs: Sequence[str] = (),
+    ) -> ProcessStream:
+        sock, base, default_user = await self._agent_socket(env_id)
+        process = self._exec_process(base, argv, env=env, cwd=cwd, user=user or default_user)
+        who = process["user"]
+        return await agent_start(sock, process["args"], env=process["env"], cwd=process["cwd"], uid=who["uid"],
+                                 gid=who["gid"], groups=who.get("additionalGids", ()), stdin=stdin, env_id=env_id,
+                                 background=True, pty=pty, tag=tag, buffer_bytes=buffer_bytes)
+
+    async def connect_process(self, env_id: str, pid: int) -> ProcessStream:
+        sock, _base, _user = await self._agent_socket(env_id)
+        return await agent_attach(sock, pid, env_id=env_id)
+
+    async def list_processes(self, env_id: str) -> list[wire.ProcessInfo]:
+        sock, _base, _user = await self._agent_socket(env_id)
+        return await agent_list(sock, env_id=env_id)
+
+    async def send_stdin(self, env_id: str, pid: int, data: bytes, *, close: bool = False) -> None:
+        sock, _base, _user = await self._agent_socket(env_id)
+        frames = [(b"I", data[i : i + (1 << 20)]) for i in range(0, len(data), 1 << 20)]
+        await agent_control(sock, pid, frames + ([(b"E", b"")] if close else []), env_id=env_id)
+
+    async def signal_process(self, env_id: str, pid: int, sig: int) -> None:
+        sock, _base, _user = await self._agent_socket(env_id)
+        await agent_control(sock, pid, [(b"K", str(int(sig)).encode())], env_id=env_id)
+
+    async def resize_process(self, env_id: str, pid: int, rows: int, cols: int) -> None:
+        sock, _base, _user = await self._agent_socket(env_id)
+        await agent_control(sock, pid, [(b"W", f"{int(rows)} {int(cols)}".encode())], env_id=env_id)
+
+    async def wait_process(self, env_id: str, pid: int, timeout_s: float | None = None) -> wire.ProcessEnd | None:
+        sock, _base, _user = await self._agent_socket(env_id)
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
+            return await agent_wait(sock, pid, env_id=env_id)
+        return None
 
     def _exec_process(self, base: dict, argv: Sequence[str], *, env, cwd, user: User | None) -> dict:
         if user is None:

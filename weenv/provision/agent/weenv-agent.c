@@ -20,15 +20,35 @@
  * frame holding it, so the daemon can tell its agent from anything else listening. Signals that
  * would stop the agent are only obeyed when they come from outside the env's pid namespace.
  *
- * Protocol: one command per connection; frames are [type:1][length:4, big endian][payload].
+ * The agent keeps the table of the processes it started (the process handles of docs/architecture.md,
+ * "Processes"): the table, and the output of background processes that nobody was reading, live
+ * here, so they outlive the client that started them and the daemon too.
+ *
+ * Protocol: frames are [type:1][length:4, big endian][payload]. A connection's first frame says
+ * what it is for:
  *   agent -> daemon  'H' hello (payload: the env's key), first on every connection when keyed
- *   daemon -> agent  'R' request: NUL-terminated key/value strings, keys: arg (repeated, argv),
- *                        env (repeated, NAME=VALUE), cwd, uid, gid, group (repeated), stdin ("1": frames follow)
- *                    'I' stdin bytes      'E' end of stdin      'K' kill (payload: signal number)
- *   agent -> daemon  'P' started (pid)    'O' stdout bytes      'e' stderr bytes
- *                    'F' could not start (payload: "errno message")
- *                    'X' finished (payload: exit code, 128+N for signal N)
- * Closing the connection while the command runs kills the command's whole session.
+ *   daemon -> agent  'R' start a command: NUL-terminated key/value strings, keys: arg (repeated, argv),
+ *                        env (repeated, NAME=VALUE), cwd, uid, gid, group (repeated), stdin ("1": frames
+ *                        follow), background ("1": the command outlives this connection), pty ("1": on
+ *                        a pseudo-terminal, size rows x cols), rows, cols, tag (a label for 'L'),
+ *                        buffer (bytes of output kept while nobody reads, background only)
+ *                    'A' attach to a running or finished command: keys pid, output ("1": send its
+ *                        output, first what was kept while nobody read; "0": control only)
+ *                    'L' list the commands (one 'L' frame each, then the agent closes)
+ *   then, on an 'R' or 'A' connection:
+ *   daemon -> agent  'I' stdin bytes      'E' end of stdin (on a pty: ^D)   'K' signal (payload: number)
+ *                    'W' pty size (payload: "rows cols")
+ *                    (on an 'A' connection without output each of these is answered 'Y' "1" done, "0" not:
+ *                    stdin closed or never opened, no pty, the command already exited)
+ *   agent -> daemon  'P' started / attached (pid)   'O' stdout bytes   'e' stderr bytes   'T' pty bytes
+ *                    'D' bytes of output dropped while nobody read (payload: count, before the rest)
+ *                    'F' could not start (payload: "errno*10+stage message"; stage 4: no such pid)
+ *                    'X' finished (payload: exit code, 128+N for signal N, then " N" when signal N ended it)
+ *                    'L' one command: key/value strings pid, tag, pty, background, stdin, state
+ *                        (running | exited), code, signal, buffered, dropped, arg (repeated), cwd
+ * Closing a one-shot command's 'R' connection while it runs kills the command's whole session; a
+ * background command runs on, and its output is kept (the newest `buffer` bytes, whole frames) until
+ * an 'A' connection reads it. The last MAX_KEPT finished background commands stay listed.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -36,11 +56,13 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <poll.h>
+#include <pty.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -48,16 +70,25 @@
 #include <sys/types.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <time.h>
 #include <unistd.h>
 
 extern char **environ;
 
 #define MAX_CONNS 256
+#define MAX_PROCS 256
+#define MAX_KEPT 64                 /* finished background commands kept for wait / attach / list */
 #define MAX_REQUEST (4u << 20)
 #define MAX_ARGS 4096
 #define MAX_GROUPS 256
+#define MAX_INFO (16u << 10)        /* what 'L' shows of argv and cwd */
+#define DEFAULT_BUFFER (1u << 20)
+#define MAX_BUFFER (16u << 20)
+#define MAX_PENDING_IN (4u << 20)   /* stdin not yet taken by the command: stop reading frames beyond */
 #define DRAIN_GRACE_NS 100000000LL /* wait this long for pipes to close after the command exits */
+
+enum { ROLE_NEW, ROLE_OWNER, ROLE_READER, ROLE_CONTROL };
 
 struct conn {
     int fd;
@@ -68,18 +99,33 @@ struct conn {
     unsigned char *body;
     uint32_t body_len;
     size_t body_got;
-    /* the command */
+    int role; /* ROLE_OWNER: a one-shot command dies with this connection */
+    int proc; /* index in procs, -1 */
+};
+
+struct proc {
+    int used;
     pid_t pid;
-    int in_fd, out_fd, err_fd;
-    int exited;
+    int in_fd, out_fd, err_fd; /* on a pty out_fd is the master and in_fd a duplicate of it */
+    int pty, background, has_stdin;
+    int exited;      /* reaped */
+    int ended;       /* output drained, 'X' sent: only the record is left */
     int status;
     long long exited_at;
+    unsigned long long seq;
     unsigned char *pending_in; /* stdin bytes not yet written */
     size_t pending_len;
     int stdin_eof;
+    unsigned char *kept; /* frames nobody read (background), oldest first from kept_off */
+    size_t kept_off, kept_len, kept_cap;
+    unsigned long long dropped;
+    char *info; /* key/value strings for 'L': tag, arg..., cwd */
+    uint32_t info_len;
 };
 
 static struct conn conns[MAX_CONNS];
+static struct proc procs[MAX_PROCS];
+static unsigned long long next_seq;
 
 #define MAX_KEY 64
 #define KEY_WAIT_MS 10000
@@ -106,19 +152,25 @@ static int send_all(int fd, const void *buf, size_t len) {
     return 0;
 }
 
+static void put_hdr(unsigned char *hdr, char type, uint32_t len) {
+    hdr[0] = (unsigned char)type;
+    hdr[1] = (unsigned char)(len >> 24), hdr[2] = (unsigned char)(len >> 16);
+    hdr[3] = (unsigned char)(len >> 8), hdr[4] = (unsigned char)len;
+}
+
 static int send_frame(int fd, char type, const void *data, uint32_t len) {
-    unsigned char hdr[5] = {(unsigned char)type, (unsigned char)(len >> 24), (unsigned char)(len >> 16),
-                            (unsigned char)(len >> 8), (unsigned char)len};
+    unsigned char hdr[5];
+    put_hdr(hdr, type, len);
     if (send_all(fd, hdr, 5) < 0) return -1;
     return len ? send_all(fd, data, len) : 0;
 }
 
-static void send_text(int fd, char type, const char *fmt, long long a, const char *s) {
+static int send_text(int fd, char type, const char *fmt, long long a, const char *s) {
     char buf[512];
     int n = snprintf(buf, sizeof buf, fmt, a, s ? s : "");
     if (n < 0) n = 0;
     if (n >= (int)sizeof buf) n = sizeof buf - 1;
-    send_frame(fd, type, buf, (uint32_t)n);
+    return send_frame(fd, type, buf, (uint32_t)n);
 }
 
 static void close_fd(int *fd) {
@@ -157,36 +209,155 @@ static void kill_session(pid_t sid, int sig) {
     closedir(d);
 }
 
-static void finish(struct conn *c) {
-    if (!c->used) return;
-    if (c->pid > 0 && !c->exited) kill_session(c->pid, SIGKILL);
-    close_fd(&c->in_fd);
-    close_fd(&c->out_fd);
-    close_fd(&c->err_fd);
-    close_fd(&c->fd);
-    free(c->body);
-    free(c->pending_in);
-    memset(c, 0, sizeof *c);
-    c->fd = c->in_fd = c->out_fd = c->err_fd = -1;
+static void free_proc(struct proc *p) {
+    close_fd(&p->in_fd);
+    close_fd(&p->out_fd);
+    close_fd(&p->err_fd);
+    free(p->pending_in);
+    free(p->kept);
+    free(p->info);
+    memset(p, 0, sizeof *p);
+    p->in_fd = p->out_fd = p->err_fd = -1;
 }
 
-static void report_exit(struct conn *c) {
-    int code;
-    if (WIFEXITED(c->status)) code = WEXITSTATUS(c->status);
-    else if (WIFSIGNALED(c->status)) code = 128 + WTERMSIG(c->status);
-    else code = 255;
-    send_text(c->fd, 'X', "%lld%s", code, NULL);
-    c->pid = 0; /* reaped: nothing left to kill by this id */
-    finish(c);
+static void finish(struct conn *c) {
+    if (!c->used) return;
+    if (c->role == ROLE_OWNER && c->proc >= 0) {
+        struct proc *p = &procs[c->proc];
+        if (p->used && p->pid > 0 && !p->exited) kill_session(p->pid, SIGKILL);
+    }
+    close_fd(&c->fd);
+    free(c->body);
+    memset(c, 0, sizeof *c);
+    c->fd = -1;
+    c->proc = -1;
+}
+
+static int attached(int pi, int readers_only) {
+    int n = 0;
+    for (int i = 0; i < MAX_CONNS; i++)
+        if (conns[i].used && conns[i].proc == pi &&
+            (conns[i].role == ROLE_OWNER || conns[i].role == ROLE_READER || (!readers_only && conns[i].role == ROLE_CONTROL)))
+            n++;
+    return n;
+}
+
+/* Keep one frame of output for a later reader: the newest kept_cap bytes, whole frames. */
+static void keep_frame(struct proc *p, char type, const unsigned char *data, uint32_t len) {
+    size_t need = 5 + (size_t)len;
+    if (need > p->kept_cap) { /* one frame larger than the whole buffer: keep its tail */
+        p->dropped += len - (p->kept_cap - 5);
+        data += len - (p->kept_cap - 5);
+        len = (uint32_t)(p->kept_cap - 5);
+        need = p->kept_cap;
+    }
+    while (p->kept_len + need > p->kept_cap) { /* drop the oldest frames */
+        unsigned char *h = p->kept + p->kept_off;
+        uint32_t n = ((uint32_t)h[1] << 24) | ((uint32_t)h[2] << 16) | ((uint32_t)h[3] << 8) | h[4];
+        p->dropped += n;
+        p->kept_off += 5 + n;
+        p->kept_len -= 5 + n;
+    }
+    if (p->kept == NULL) {
+        p->kept = malloc(p->kept_cap);
+        if (!p->kept) { p->dropped += len; return; }
+    }
+    if (p->kept_off + p->kept_len + need > p->kept_cap) { /* compact */
+        memmove(p->kept, p->kept + p->kept_off, p->kept_len);
+        p->kept_off = 0;
+    }
+    unsigned char *dst = p->kept + p->kept_off + p->kept_len;
+    put_hdr(dst, type, len);
+    memcpy(dst + 5, data, len);
+    p->kept_len += need;
+}
+
+/* Output of procs[pi] to everyone reading it; kept for later when nobody is (background only). */
+static void deliver(int pi, char type, const unsigned char *data, uint32_t len) {
+    struct proc *p = &procs[pi];
+    int sent = 0;
+    for (int i = 0; i < MAX_CONNS; i++) {
+        struct conn *c = &conns[i];
+        if (!c->used || c->proc != pi || (c->role != ROLE_OWNER && c->role != ROLE_READER)) continue;
+        if (send_frame(c->fd, type, data, len) < 0) finish(c);
+        else sent++;
+    }
+    if (!sent && p->background) keep_frame(p, type, data, len);
+}
+
+static void exit_text(struct proc *p, char *buf, size_t size) {
+    if (WIFEXITED(p->status)) snprintf(buf, size, "%d", WEXITSTATUS(p->status));
+    else if (WIFSIGNALED(p->status)) snprintf(buf, size, "%d %d", 128 + WTERMSIG(p->status), WTERMSIG(p->status));
+    else snprintf(buf, size, "255");
+}
+
+/* The command exited and its output is drained (or the grace is over): tell everyone attached. */
+static void end_proc(int pi) {
+    struct proc *p = &procs[pi];
+    char text[32];
+    exit_text(p, text, sizeof text);
+    for (int i = 0; i < MAX_CONNS; i++) {
+        struct conn *c = &conns[i];
+        if (!c->used || c->proc != pi) continue;
+        send_frame(c->fd, 'X', text, (uint32_t)strlen(text));
+        finish(c);
+    }
+    if (!p->background) {
+        free_proc(p);
+        return;
+    }
+    p->ended = 1;
+    close_fd(&p->in_fd);
+    close_fd(&p->out_fd);
+    close_fd(&p->err_fd);
+    free(p->pending_in);
+    p->pending_in = NULL;
+    p->pending_len = 0;
+    /* only the newest MAX_KEPT finished records stay */
+    int kept = 0;
+    for (int i = 0; i < MAX_PROCS; i++) kept += procs[i].used && procs[i].ended;
+    while (kept > MAX_KEPT) {
+        int oldest = -1;
+        for (int i = 0; i < MAX_PROCS; i++)
+            if (procs[i].used && procs[i].ended && !attached(i, 0) && (oldest < 0 || procs[i].seq < procs[oldest].seq)) oldest = i;
+        if (oldest < 0) break;
+        free_proc(&procs[oldest]);
+        kept--;
+    }
+}
+
+static int find_proc(pid_t pid) {
+    int found = -1;
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (procs[i].used && procs[i].pid == pid && (found < 0 || !procs[i].ended)) found = i;
+    return found;
+}
+
+static int new_proc_slot(void) {
+    int oldest = -1;
+    for (int i = 0; i < MAX_PROCS; i++) {
+        if (!procs[i].used) return i;
+        if (procs[i].ended && !attached(i, 0) && (oldest < 0 || procs[i].seq < procs[oldest].seq)) oldest = i;
+    }
+    if (oldest >= 0) free_proc(&procs[oldest]);
+    return oldest;
+}
+
+static void info_add(char *info, uint32_t *len, const char *k, const char *v) {
+    size_t kl = strlen(k) + 1, vl = strlen(v) + 1;
+    if (*len + kl + vl > MAX_INFO) return;
+    memcpy(info + *len, k, kl);
+    memcpy(info + *len + kl, v, vl);
+    *len += (uint32_t)(kl + vl);
 }
 
 static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
     char *argv[MAX_ARGS + 1];
     char *envp[MAX_ARGS + 1];
     gid_t groups[MAX_GROUPS];
-    int argc = 0, envc = 0, ngroups = 0, want_stdin = 0;
-    char *cwd = NULL;
-    long uid = 0, gid = 0;
+    int argc = 0, envc = 0, ngroups = 0, want_stdin = 0, background = 0, pty = 0;
+    char *cwd = NULL, *tag = NULL;
+    long uid = 0, gid = 0, rows = 24, cols = 80, buffer = DEFAULT_BUFFER;
     char *p = (char *)req, *end = (char *)req + len;
     if (len == 0 || req[len - 1] != 0) {
         send_text(c->fd, 'F', "%lld %s", EINVAL, "malformed request");
@@ -205,6 +376,12 @@ static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
         else if (!strcmp(key, "gid")) gid = strtol(val, NULL, 10);
         else if (!strcmp(key, "group") && ngroups < MAX_GROUPS) groups[ngroups++] = (gid_t)strtol(val, NULL, 10);
         else if (!strcmp(key, "stdin")) want_stdin = val[0] == '1';
+        else if (!strcmp(key, "background")) background = val[0] == '1';
+        else if (!strcmp(key, "pty")) pty = val[0] == '1';
+        else if (!strcmp(key, "rows")) rows = strtol(val, NULL, 10);
+        else if (!strcmp(key, "cols")) cols = strtol(val, NULL, 10);
+        else if (!strcmp(key, "tag")) tag = val;
+        else if (!strcmp(key, "buffer")) buffer = strtol(val, NULL, 10);
     }
     argv[argc] = NULL;
     envp[envc] = NULL;
@@ -212,9 +389,28 @@ static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
         send_text(c->fd, 'F', "%lld %s", EINVAL, "empty argv");
         return -1;
     }
-    int in_p[2] = {-1, -1}, out_p[2], err_p[2], st_p[2];
-    if (want_stdin ? pipe2(in_p, O_CLOEXEC) : 0) goto fail;
-    if (pipe2(out_p, O_CLOEXEC) || pipe2(err_p, O_CLOEXEC) || pipe2(st_p, O_CLOEXEC)) goto fail;
+    if (rows < 1 || rows > 65535 || cols < 1 || cols > 65535) rows = 24, cols = 80;
+    if (buffer < 4096) buffer = 4096;
+    if (buffer > (long)MAX_BUFFER) buffer = MAX_BUFFER;
+    int pi = new_proc_slot();
+    if (pi < 0) {
+        send_text(c->fd, 'F', "%lld %s", (long long)EAGAIN * 10, "too many processes");
+        return -1;
+    }
+    int in_p[2] = {-1, -1}, out_p[2] = {-1, -1}, err_p[2] = {-1, -1}, st_p[2] = {-1, -1};
+    int master = -1, slave = -1;
+    if (pty) {
+        struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+        if (openpty(&master, &slave, NULL, NULL, &ws) < 0) goto fail;
+        fcntl(master, F_SETFD, FD_CLOEXEC);
+        fcntl(slave, F_SETFD, FD_CLOEXEC);
+        if (fchown(slave, (uid_t)uid, (gid_t)-1) < 0) { /* the command's own terminal, as login(1) does */ }
+        want_stdin = 1;
+    } else {
+        if (want_stdin ? pipe2(in_p, O_CLOEXEC) : 0) goto fail;
+        if (pipe2(out_p, O_CLOEXEC) || pipe2(err_p, O_CLOEXEC)) goto fail;
+    }
+    if (pipe2(st_p, O_CLOEXEC)) goto fail;
     pid_t pid = fork();
     if (pid < 0) goto fail;
     if (pid == 0) {
@@ -223,10 +419,17 @@ static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
         sigprocmask(SIG_SETMASK, &all, NULL);
         for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL);
         setsid();
-        int null_fd = open("/dev/null", O_RDONLY);
-        dup2(want_stdin ? in_p[0] : (null_fd >= 0 ? null_fd : 0), 0);
-        dup2(out_p[1], 1);
-        dup2(err_p[1], 2);
+        if (pty) {
+            ioctl(slave, TIOCSCTTY, 0);
+            dup2(slave, 0);
+            dup2(slave, 1);
+            dup2(slave, 2);
+        } else {
+            int null_fd = open("/dev/null", O_RDONLY);
+            dup2(want_stdin ? in_p[0] : (null_fd >= 0 ? null_fd : 0), 0);
+            dup2(out_p[1], 1);
+            dup2(err_p[1], 2);
+        }
         int report[2] = {0, 0}; /* stage (1 identity, 2 cwd, 3 exec), errno */
         if (setgroups((size_t)ngroups, groups) < 0 || setgid((gid_t)gid) < 0 || setuid((uid_t)uid) < 0)
             report[0] = 1, report[1] = errno;
@@ -244,17 +447,43 @@ static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
     close_fd(&st_p[1]);
     close_fd(&out_p[1]);
     close_fd(&err_p[1]);
-    if (in_p[0] >= 0) close_fd(&in_p[0]);
+    close_fd(&in_p[0]);
+    close_fd(&slave);
     int report[2] = {0, 0};
     ssize_t n;
     do n = read(st_p[0], report, sizeof report); while (n < 0 && errno == EINTR);
     close(st_p[0]);
-    c->pid = pid;
-    c->out_fd = out_p[0];
-    c->err_fd = err_p[0];
-    c->in_fd = in_p[1];
-    c->stdin_eof = !want_stdin;
-    if (c->in_fd >= 0) fcntl(c->in_fd, F_SETFL, O_NONBLOCK);
+    /* a finished record of a pid the kernel has now given again is forgotten */
+    for (int old; (old = find_proc(pid)) >= 0 && procs[old].ended;) free_proc(&procs[old]);
+    struct proc *pr = &procs[pi];
+    memset(pr, 0, sizeof *pr);
+    pr->used = 1;
+    pr->pid = pid;
+    pr->seq = ++next_seq;
+    pr->pty = pty;
+    pr->has_stdin = want_stdin;
+    pr->background = background && n != (ssize_t)sizeof report; /* a command that never ran leaves no record */
+    pr->kept_cap = (size_t)buffer;
+    pr->err_fd = -1;
+    if (pty) {
+        pr->out_fd = master;
+        pr->in_fd = dup(master);
+        if (pr->in_fd >= 0) fcntl(pr->in_fd, F_SETFD, FD_CLOEXEC);
+    } else {
+        pr->out_fd = out_p[0];
+        pr->err_fd = err_p[0];
+        pr->in_fd = in_p[1];
+    }
+    pr->stdin_eof = !want_stdin;
+    if (pr->in_fd >= 0) fcntl(pr->in_fd, F_SETFL, O_NONBLOCK);
+    pr->info = malloc(MAX_INFO);
+    if (pr->info) {
+        if (tag) info_add(pr->info, &pr->info_len, "tag", tag);
+        for (int i = 0; i < argc; i++) info_add(pr->info, &pr->info_len, "arg", argv[i]);
+        if (cwd) info_add(pr->info, &pr->info_len, "cwd", cwd);
+    }
+    c->proc = pi;
+    c->role = pr->background ? ROLE_READER : ROLE_OWNER;
     if (n == (ssize_t)sizeof report) {
         char what[64];
         snprintf(what, sizeof what, "%s", report[0] == 1 ? "identity" : report[0] == 2 ? "cwd" : "exec");
@@ -264,32 +493,141 @@ static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
     }
     return 0;
 fail:
-    send_text(c->fd, 'F', "%lld %s", errno, "cannot create pipes or fork");
+    send_text(c->fd, 'F', "%lld %s", (long long)errno * 10, pty ? "cannot open a pty or fork" : "cannot create pipes or fork");
+    for (int *fd = in_p; fd < in_p + 2; fd++) close_fd(fd);
+    for (int *fd = out_p; fd < out_p + 2; fd++) close_fd(fd);
+    for (int *fd = err_p; fd < err_p + 2; fd++) close_fd(fd);
+    for (int *fd = st_p; fd < st_p + 2; fd++) close_fd(fd);
+    close_fd(&master);
+    close_fd(&slave);
     return -1;
 }
 
+static const char *kv_get(unsigned char *body, uint32_t len, const char *want) {
+    char *p = (char *)body, *end = (char *)body + len;
+    if (len == 0 || body[len - 1] != 0) return NULL;
+    while (p < end) {
+        char *k = p;
+        p += strlen(p) + 1;
+        if (p >= end) return NULL;
+        if (!strcmp(k, want)) return p;
+        p += strlen(p) + 1;
+    }
+    return NULL;
+}
+
+static void attach(struct conn *c, unsigned char *body, uint32_t len) {
+    const char *pid_s = kv_get(body, len, "pid"), *out_s = kv_get(body, len, "output");
+    int pi = pid_s ? find_proc((pid_t)strtol(pid_s, NULL, 10)) : -1;
+    if (pi < 0 || !pid_s || strtol(pid_s, NULL, 10) <= 0) {
+        send_text(c->fd, 'F', "%lld %s", (long long)ESRCH * 10 + 4, "no such process");
+        finish(c);
+        return;
+    }
+    struct proc *p = &procs[pi];
+    c->proc = pi;
+    c->role = out_s && out_s[0] == '1' ? ROLE_READER : ROLE_CONTROL;
+    if (send_text(c->fd, 'P', "%lld%s", p->pid, NULL) < 0) { finish(c); return; }
+    if (c->role == ROLE_READER) {
+        if (p->dropped) {
+            char n[32];
+            snprintf(n, sizeof n, "%llu", p->dropped);
+            if (send_frame(c->fd, 'D', n, (uint32_t)strlen(n)) < 0) { finish(c); return; }
+        }
+        if (p->kept_len && send_all(c->fd, p->kept + p->kept_off, p->kept_len) < 0) { finish(c); return; }
+        p->dropped = 0;
+        p->kept_off = p->kept_len = 0;
+    }
+    if (p->ended) {
+        char text[32];
+        exit_text(p, text, sizeof text);
+        send_frame(c->fd, 'X', text, (uint32_t)strlen(text));
+        finish(c);
+    }
+}
+
+static void list_procs(struct conn *c) {
+    static char buf[MAX_INFO + 512];
+    for (int i = 0; i < MAX_PROCS; i++) {
+        struct proc *p = &procs[i];
+        if (!p->used) continue;
+        uint32_t n = 0;
+        char v[64], code[32] = "", sig[16] = "";
+        snprintf(v, sizeof v, "%d", p->pid);
+        info_add(buf, &n, "pid", v);
+        info_add(buf, &n, "pty", p->pty ? "1" : "0");
+        info_add(buf, &n, "background", p->background ? "1" : "0");
+        info_add(buf, &n, "stdin", p->in_fd >= 0 && !p->stdin_eof ? "1" : "0");
+        info_add(buf, &n, "state", p->exited ? "exited" : "running");
+        if (p->exited) {
+            exit_text(p, code, sizeof code);
+            char *space = strchr(code, ' ');
+            if (space) *space = 0, snprintf(sig, sizeof sig, "%s", space + 1);
+            info_add(buf, &n, "code", code);
+            if (sig[0]) info_add(buf, &n, "signal", sig);
+        }
+        snprintf(v, sizeof v, "%zu", p->kept_len);
+        info_add(buf, &n, "buffered", v);
+        snprintf(v, sizeof v, "%llu", p->dropped);
+        info_add(buf, &n, "dropped", v);
+        if (p->info && n + p->info_len <= sizeof buf) memcpy(buf + n, p->info, p->info_len), n += p->info_len;
+        if (send_frame(c->fd, 'L', buf, n) < 0) break;
+    }
+    finish(c);
+}
+
 static void handle_frame(struct conn *c, char type, unsigned char *body, uint32_t len) {
-    if (type == 'R' && c->pid == 0 && c->out_fd < 0) {
-        if (start_command(c, body, len) < 0) finish(c);
-    } else if (type == 'I' && c->in_fd >= 0) {
-        unsigned char *nb = realloc(c->pending_in, c->pending_len + len);
+    struct proc *p = c->proc >= 0 ? &procs[c->proc] : NULL;
+    if (c->role == ROLE_NEW) {
+        if (type == 'R') {
+            if (start_command(c, body, len) < 0) finish(c);
+        } else if (type == 'A') {
+            attach(c, body, len);
+        } else if (type == 'L') {
+            list_procs(c);
+        } else {
+            finish(c);
+        }
+        return;
+    }
+    if (!p || !p->used) return;
+    int done = 1; /* a control connection is told whether each frame did something ('Y' 1 or 0) */
+    if (type == 'I' && p->in_fd >= 0 && !p->stdin_eof) {
+        unsigned char *nb = realloc(p->pending_in, p->pending_len + len);
         if (!nb) return;
-        memcpy(nb + c->pending_len, body, len);
-        c->pending_in = nb;
-        c->pending_len += len;
-    } else if (type == 'E') {
-        c->stdin_eof = 1;
-        if (c->pending_len == 0) close_fd(&c->in_fd);
-    } else if (type == 'K' && c->pid > 0 && !c->exited) {
+        memcpy(nb + p->pending_len, body, len);
+        p->pending_in = nb;
+        p->pending_len += len;
+    } else if (type == 'E' && p->pty && p->in_fd >= 0) { /* end of input on a terminal: ^D */
+        unsigned char *nb = realloc(p->pending_in, p->pending_len + 1);
+        if (!nb) return;
+        nb[p->pending_len++] = 4;
+        p->pending_in = nb;
+    } else if (type == 'E' && !p->pty) {
+        p->stdin_eof = 1;
+        if (p->pending_len == 0) close_fd(&p->in_fd);
+    } else if (type == 'K' && p->pid > 0 && !p->exited) {
         char buf[16] = {0};
         memcpy(buf, body, len < 15 ? len : 15);
         int sig = atoi(buf);
-        kill_session(c->pid, sig > 0 ? sig : SIGKILL);
+        kill_session(p->pid, sig > 0 && sig < NSIG ? sig : SIGKILL);
+    } else if (type == 'W' && p->pty && p->out_fd >= 0) {
+        char buf[32] = {0};
+        memcpy(buf, body, len < 31 ? len : 31);
+        long rows = 0, cols = 0;
+        if (sscanf(buf, "%ld %ld", &rows, &cols) == 2 && rows > 0 && rows <= 65535 && cols > 0 && cols <= 65535) {
+            struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+            ioctl(p->out_fd, TIOCSWINSZ, &ws); /* the kernel sends SIGWINCH to the foreground group */
+        }
+    } else {
+        done = 0;
     }
+    if (c->role == ROLE_CONTROL && c->used) send_frame(c->fd, 'Y', done ? "1" : "0", 1);
 }
 
 static void read_conn(struct conn *c) {
     for (;;) {
+        if (c->proc >= 0 && procs[c->proc].pending_len > MAX_PENDING_IN) return; /* the command must catch up */
         if (c->hdr_got < 5) {
             ssize_t n = recv(c->fd, c->hdr + c->hdr_got, 5 - c->hdr_got, MSG_DONTWAIT);
             if (n == 0) { finish(c); return; }
@@ -318,29 +656,30 @@ static void read_conn(struct conn *c) {
     }
 }
 
-static void pump_output(struct conn *c, int *fd, char type) {
-    char buf[65536];
+static void pump_output(int pi, int *fd, char type) {
+    unsigned char buf[65536];
     ssize_t n = read(*fd, buf, sizeof buf);
     if (n > 0) {
-        if (send_frame(c->fd, type, buf, (uint32_t)n) < 0) finish(c);
-    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        deliver(pi, type, buf, (uint32_t)n);
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) { /* a pty master says EIO once the terminal is closed */
         close_fd(fd);
+        if (procs[pi].pty) close_fd(&procs[pi].in_fd);
     }
 }
 
-static void write_stdin(struct conn *c) {
-    while (c->pending_len > 0) {
-        ssize_t n = write(c->in_fd, c->pending_in, c->pending_len);
+static void write_stdin(struct proc *p) {
+    while (p->pending_len > 0) {
+        ssize_t n = write(p->in_fd, p->pending_in, p->pending_len);
         if (n < 0) {
-            if (errno == EAGAIN) return;
-            close_fd(&c->in_fd); /* the command closed its stdin: drop the rest */
-            c->pending_len = 0;
+            if (errno == EAGAIN || errno == EINTR) return;
+            close_fd(&p->in_fd); /* the command closed its stdin: drop the rest */
+            p->pending_len = 0;
             return;
         }
-        memmove(c->pending_in, c->pending_in + n, c->pending_len - (size_t)n);
-        c->pending_len -= (size_t)n;
+        memmove(p->pending_in, p->pending_in + n, p->pending_len - (size_t)n);
+        p->pending_len -= (size_t)n;
     }
-    if (c->stdin_eof) close_fd(&c->in_fd);
+    if (p->stdin_eof) close_fd(&p->in_fd);
 }
 
 static void reap(void) {
@@ -348,12 +687,12 @@ static void reap(void) {
         int status;
         pid_t pid = waitpid(-1, &status, WNOHANG);
         if (pid <= 0) return;
-        for (int i = 0; i < MAX_CONNS; i++) {
-            struct conn *c = &conns[i];
-            if (c->used && c->pid == pid && !c->exited) {
-                c->exited = 1;
-                c->status = status;
-                c->exited_at = now_ns();
+        for (int i = 0; i < MAX_PROCS; i++) {
+            struct proc *p = &procs[i];
+            if (p->used && p->pid == pid && !p->exited) {
+                p->exited = 1;
+                p->status = status;
+                p->exited_at = now_ns();
             }
         }
     }
@@ -408,7 +747,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s --fd N [--key-first] | SOCKET_PATH\n", argv[0]);
         return 2;
     }
-    for (int i = 0; i < MAX_CONNS; i++) conns[i].fd = conns[i].in_fd = conns[i].out_fd = conns[i].err_fd = -1;
+    for (int i = 0; i < MAX_CONNS; i++) conns[i].fd = -1, conns[i].proc = -1;
+    for (int i = 0; i < MAX_PROCS; i++) procs[i].in_fd = procs[i].out_fd = procs[i].err_fd = -1;
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
@@ -448,33 +788,37 @@ int main(int argc, char **argv) {
         perror("weenv-agent: signalfd");
         return 1;
     }
-    struct pollfd pfds[2 + MAX_CONNS * 4];
-    struct conn *owners[2 + MAX_CONNS * 4];
-    int kinds[2 + MAX_CONNS * 4]; /* 0 conn, 1 stdout, 2 stderr, 3 stdin */
+    enum { K_CONN, K_OUT, K_ERR, K_IN };
+    struct pollfd pfds[2 + MAX_CONNS + MAX_PROCS * 3];
+    int owners[2 + MAX_CONNS + MAX_PROCS * 3]; /* index in conns or procs */
+    int kinds[2 + MAX_CONNS + MAX_PROCS * 3];
     for (;;) {
         int n = 0;
-        pfds[n] = (struct pollfd){.fd = lfd, .events = POLLIN};
-        owners[n++] = NULL;
-        pfds[n] = (struct pollfd){.fd = sfd, .events = POLLIN};
-        owners[n++] = NULL;
+        pfds[n++] = (struct pollfd){.fd = lfd, .events = POLLIN};
+        pfds[n++] = (struct pollfd){.fd = sfd, .events = POLLIN};
         long long timeout_ns = -1, now = now_ns();
+        for (int i = 0; i < MAX_PROCS; i++) {
+            struct proc *p = &procs[i];
+            if (!p->used || p->ended) continue;
+            if (p->exited && ((p->out_fd < 0 && p->err_fd < 0) || now - p->exited_at >= DRAIN_GRACE_NS)) {
+                end_proc(i);
+                continue;
+            }
+            if (p->exited) {
+                long long left = DRAIN_GRACE_NS - (now - p->exited_at);
+                if (timeout_ns < 0 || left < timeout_ns) timeout_ns = left;
+            }
+            if (p->out_fd >= 0) pfds[n] = (struct pollfd){.fd = p->out_fd, .events = POLLIN}, owners[n] = i, kinds[n++] = K_OUT;
+            if (p->err_fd >= 0) pfds[n] = (struct pollfd){.fd = p->err_fd, .events = POLLIN}, owners[n] = i, kinds[n++] = K_ERR;
+            if (p->in_fd >= 0 && p->pending_len > 0)
+                pfds[n] = (struct pollfd){.fd = p->in_fd, .events = POLLOUT}, owners[n] = i, kinds[n++] = K_IN;
+        }
         for (int i = 0; i < MAX_CONNS; i++) {
             struct conn *c = &conns[i];
             if (!c->used) continue;
-            if (c->exited && ((c->out_fd < 0 && c->err_fd < 0) || now - c->exited_at >= DRAIN_GRACE_NS)) {
-                report_exit(c);
-                continue;
-            }
-            if (c->exited) {
-                long long left = DRAIN_GRACE_NS - (now - c->exited_at);
-                if (timeout_ns < 0 || left < timeout_ns) timeout_ns = left;
-            }
-            pfds[n] = (struct pollfd){.fd = c->fd, .events = POLLIN};
-            owners[n] = c, kinds[n++] = 0;
-            if (c->out_fd >= 0) pfds[n] = (struct pollfd){.fd = c->out_fd, .events = POLLIN}, owners[n] = c, kinds[n++] = 1;
-            if (c->err_fd >= 0) pfds[n] = (struct pollfd){.fd = c->err_fd, .events = POLLIN}, owners[n] = c, kinds[n++] = 2;
-            if (c->in_fd >= 0 && c->pending_len > 0)
-                pfds[n] = (struct pollfd){.fd = c->in_fd, .events = POLLOUT}, owners[n] = c, kinds[n++] = 3;
+            /* a writer whose command is not taking its stdin waits (the daemon's sends block) */
+            if (c->proc >= 0 && procs[c->proc].pending_len > MAX_PENDING_IN) continue;
+            pfds[n] = (struct pollfd){.fd = c->fd, .events = POLLIN}, owners[n] = i, kinds[n++] = K_CONN;
         }
         int timeout_ms = timeout_ns < 0 ? -1 : (int)(timeout_ns / 1000000) + 1;
         int r = poll(pfds, (nfds_t)n, timeout_ms);
@@ -501,18 +845,23 @@ int main(int argc, char **argv) {
                     memset(c, 0, sizeof *c);
                     c->used = 1;
                     c->fd = cfd;
-                    c->in_fd = c->out_fd = c->err_fd = -1;
+                    c->proc = -1;
                     if (key_len && send_frame(cfd, 'H', key, key_len) < 0) finish(c);
                 }
             }
         }
         for (int i = 2; i < n; i++) {
-            struct conn *c = owners[i];
-            if (!c->used || !pfds[i].revents) continue;
-            if (kinds[i] == 0) read_conn(c);
-            else if (kinds[i] == 1 && c->out_fd == pfds[i].fd) pump_output(c, &c->out_fd, 'O');
-            else if (kinds[i] == 2 && c->err_fd == pfds[i].fd) pump_output(c, &c->err_fd, 'e');
-            else if (kinds[i] == 3 && c->in_fd == pfds[i].fd) write_stdin(c);
+            if (!pfds[i].revents) continue;
+            if (kinds[i] == K_CONN) {
+                struct conn *c = &conns[owners[i]];
+                if (c->used && c->fd == pfds[i].fd) read_conn(c);
+                continue;
+            }
+            struct proc *p = &procs[owners[i]];
+            if (!p->used) continue;
+            if (kinds[i] == K_OUT && p->out_fd == pfds[i].fd) pump_output(owners[i], &p->out_fd, p->pty ? 'T' : 'O');
+            else if (kinds[i] == K_ERR && p->err_fd == pfds[i].fd) pump_output(owners[i], &p->err_fd, 'e');
+            else if (kinds[i] == K_IN && p->in_fd == pfds[i].fd) write_stdin(p);
         }
     }
 }
