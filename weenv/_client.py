@@ -3,6 +3,10 @@
 Both talk HTTP to ``$WEENV_HOME/run/weenv.sock`` with httpx; the async client works under asyncio
 and trio. With ``autostart`` (the default) a missing daemon is started in the background.
 
+Given a URL instead of a socket path (``Client("http://host:3000", token=...)``, or
+``$WEENV_HOST`` / ``$WEENV_TOKEN``), they talk to ``weenv serve`` over TCP, sending the token as
+``Authorization: Bearer``; a remote daemon is never autostarted.
+
     with weenv.Client() as client, client.create("plan.lock") as env:
         print(env.exec("echo hello").stdout)
 """
@@ -148,6 +152,23 @@ def _stream_line(line: str, on_output: Callable[[str, bytes], Any] | None) -> Ex
         cls = EnvNotFoundError if err.get("kind") == "env_not_found" else ApiError
         raise cls(err.get("status", 500), err.get("kind", "error"), err.get("message", ""))
     return msgspec.convert(msg["result"], ExecResult)
+
+
+def _is_url(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def _target(socket_path_or_url: str | None) -> str:
+    """What a client talks to: the argument, else ``$WEENV_HOST``, else the node's daemon socket."""
+    return socket_path_or_url or os.environ.get("WEENV_HOST") or _home.daemon_socket()
+
+
+def _http_options(target: str, token: str | None) -> dict[str, Any]:
+    """httpx client options for a socket path (the local daemon) or a ``weenv serve`` URL."""
+    if not _is_url(target):
+        return {"base_url": "http://weenv"}
+    token = token or os.environ.get("WEENV_TOKEN")
+    return {"base_url": target.rstrip("/"), "headers": {"Authorization": f"Bearer {token}"} if token else {}}
 
 
 def _daemon_answers(socket_path: str) -> bool:
@@ -301,13 +322,14 @@ class Env:
 
 
 class Client:
-    """Synchronous client of the local weenv daemon."""
+    """Synchronous client of the local weenv daemon (a socket path), or of ``weenv serve`` (a URL)."""
 
-    def __init__(self, socket_path: str | None = None, *, timeout_s: float = 300.0, autostart: bool = True):
-        self.socket_path = socket_path or _home.daemon_socket()
-        self.autostart = autostart
-        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket_path), base_url="http://weenv",
-                                  timeout=timeout_s)
+    def __init__(self, socket_path: str | None = None, *, token: str | None = None, timeout_s: float = 300.0,
+                 autostart: bool = True):
+        self.socket_path = _target(socket_path)
+        self.autostart = autostart and not _is_url(self.socket_path)
+        transport = None if _is_url(self.socket_path) else httpx.HTTPTransport(uds=self.socket_path)
+        self._http = httpx.Client(transport=transport, timeout=timeout_s, **_http_options(self.socket_path, token))
         self._started = False
 
     def _ensure(self) -> None:
@@ -524,13 +546,15 @@ class _EnvStart:
 
 
 class AsyncClient:
-    """Async client of the local weenv daemon (httpx.AsyncClient: asyncio or trio)."""
+    """Async client of the local weenv daemon or of ``weenv serve`` (httpx.AsyncClient: asyncio or trio)."""
 
-    def __init__(self, socket_path: str | None = None, *, timeout_s: float = 300.0, autostart: bool = True):
-        self.socket_path = socket_path or _home.daemon_socket()
-        self.autostart = autostart
-        self._http = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=self.socket_path),
-                                       base_url="http://weenv", timeout=timeout_s)
+    def __init__(self, socket_path: str | None = None, *, token: str | None = None, timeout_s: float = 300.0,
+                 autostart: bool = True):
+        self.socket_path = _target(socket_path)
+        self.autostart = autostart and not _is_url(self.socket_path)
+        transport = None if _is_url(self.socket_path) else httpx.AsyncHTTPTransport(uds=self.socket_path)
+        self._http = httpx.AsyncClient(transport=transport, timeout=timeout_s,
+                                       **_http_options(self.socket_path, token))
         self._started = False
 
     async def _ensure(self) -> None:
