@@ -9,6 +9,8 @@ admission message through the real daemon below).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import trio
 from trio.testing import MockClock
@@ -165,3 +167,47 @@ def test_the_daemon_refuses_a_max_above_the_node_with_a_clear_message(daemon, me
         message = str(ei.value)
         assert "more than this node can ever give one env" in message and "resources.memory.max" in message, message
         assert c.list() == []
+
+
+def _v1_memory_dir(cgroup_root: str, env_id: str) -> str | None:
+    for dirpath, dirnames, _ in os.walk("/sys/fs/cgroup/memory"):
+        if os.path.basename(dirpath) == cgroup_root and env_id in dirnames:
+            return os.path.join(dirpath, env_id)
+    return None
+
+
+def test_unit_let_go_makes_elastic_limits_hard():
+    backend = FakeBackend()
+    monitor = Monitor(backend.node_memory, cfg=CFG, cpu_cores=2, offload="none")
+    g, fixed = backend.create("elastic"), backend.create("fixed")
+    monitor.add("elastic", g, LIMITS)
+    monitor.add("fixed", fixed, EnvLimits(memory_min_bytes=64 * MIB, memory_max_bytes=64 * MIB))
+    assert monitor.let_go() == 1 and monitor.let_go() == 0
+    assert g.history[-1] == ("memory", (64 * MIB, 64 * MIB))
+    assert fixed.history == [("memory", (64 * MIB, 64 * MIB))]  # already hard: untouched
+
+
+@pytest.mark.integration
+def test_envs_kept_by_a_stopping_daemon_are_killed_at_their_limit_not_left_waiting(daemon):
+    # While no daemon runs nobody raises limits: v1's disabled OOM killer would let an allocation
+    # sleep at the limit until a daemon came back. A stopping daemon makes the limits hard; the
+    # next one re-adopts the envs elastic.
+    from weenv.provision.cgroups import detect_backend
+
+    if detect_backend(daemon.cgroup_root).version != "v1":
+        pytest.skip("the oom_control check is v1's (this host)")
+    with daemon.client() as c:
+        env = c.create(daemon.plan_lock)
+    mem = _v1_memory_dir(daemon.cgroup_root, env.id)
+    assert mem is not None
+    oom = lambda: open(f"{mem}/memory.oom_control").read()  # noqa: E731
+    assert "oom_kill_disable 1" in oom()
+    daemon.stop()  # SIGTERM: envs keep running
+    try:
+        assert "oom_kill_disable 0" in oom()
+    finally:
+        daemon.start()
+    with daemon.client() as c:
+        assert c.get(env.id).exec(["true"]).exit_code == 0
+        assert "oom_kill_disable 1" in oom()  # re-adopted elastic
+        c.get(env.id).kill()

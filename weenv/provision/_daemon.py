@@ -233,6 +233,11 @@ class Daemon:
             await self._stop.wait()
             await self._stop_envs()
             nursery.cancel_scope.cancel()
+        # No monitor raises the limits of envs kept running from here on: they are OOM-killed at
+        # their limits rather than wait there until a daemon comes back (docs/security.md).
+        hardened = await trio.to_thread.run_sync(self.monitor.let_go)
+        if hardened:
+            log.info("stop: %d envs kept running have hard memory limits until a daemon re-adopts them", hardened)
         # Background work is over (no envlet restart, no pool refill): the envlet goes too, unless
         # envs kept running stack its layers (then it serves them until `daemon stop --kill-envs`).
         live = [rec.id for rec in self.manager.envs.values() if rec.status in ("creating", "running", "paused")]

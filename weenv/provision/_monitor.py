@@ -211,6 +211,26 @@ class Monitor:
         _accumulate(self._retired, env.metrics)
         return env.metrics
 
+    def let_go(self) -> int:
+        """Before the daemon exits leaving envs running (call it once :meth:`run` has stopped):
+        nobody will raise their limits any more, so each elastic memory limit becomes hard where
+        it stands. A task that needs more is OOM-killed there instead of waiting, for as long as
+        the daemon is away, for a monitor that is gone (v1: the OOM killer is disabled below the
+        max). The next daemon re-adopts the envs elastic. Returns how many groups it changed."""
+        changed = 0
+        for env in list(self._envs.values()):
+            limit, mem = env.state.memory_limit_bytes, env.limits.memory_range
+            if limit is None or mem is None or limit >= mem[1] or env.state.memory_hard:
+                continue
+            try:
+                env.cgroup.set_memory(limit, hard_limit_bytes=limit)
+            except CgroupError as exc:
+                log.warning("env %s: cannot make its memory limit hard before the daemon exits: %s", env.env_id, exc)
+                continue
+            env.state = msgspec.structs.replace(env.state, memory_hard=True)
+            changed += 1
+        return changed
+
     def cpu_quota(self, env_id: str) -> float | None:
         """The CPU quota (cores) the monitor gives ``env_id`` now; None if unmanaged or unlimited."""
         env = self._envs.get(env_id)
