@@ -34,14 +34,16 @@ from ._errors import (
     EnvNotFoundError,
     EnvStartError,
     EnvStateError,
+    ProcessNotFoundError,
     ProvisionError,
 )
 from ._agent import agent_listener
+from .._wire import ProcessEnd, ProcessInfo
 from ._files import RootFS, resolve_user
 from ._monitor import Monitor
 from ._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
-from ._runtime import ExecResult, Runtime, prepare_bundle
+from ._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
 from ._startcheck import LockVerifier, check_registered, check_start
@@ -536,6 +538,54 @@ class EnvManager:
         cg = self.cgroups.get(env_id)
         return await self.runtime.exec(env_id, argv, env=env, cwd=cwd, user=who, stdin=stdin, timeout_s=timeout_s,
                                        cgroup_procs=cg.procs_paths() if cg is not None else (), on_output=on_output)
+
+    # -- process handles (docs/architecture.md, "Processes"): the env's agent keeps the table,
+    # so they outlive the client that started them and this daemon
+
+    async def start_process(self, env_id: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
+                            cwd: str | None = None, user: str | None = None, stdin: bool = False,
+                            pty: tuple[int, int] | None = None, tag: str | None = None,
+                            buffer_bytes: int | None = None) -> ProcessStream:
+        self._running(env_id)
+        if not argv:
+            raise EnvStateError("empty command", env_id=env_id)
+        who: User | None = None
+        if user is not None:
+            who = await trio.to_thread.run_sync(resolve_user, self.rootfs(env_id), user)
+        cg = self.cgroups.get(env_id)
+        return await self.runtime.start_process(env_id, argv, env=env, cwd=cwd, user=who, stdin=stdin, pty=pty,
+                                                tag=tag, buffer_bytes=buffer_bytes,
+                                                cgroup_procs=cg.procs_paths() if cg is not None else ())
+
+    async def connect_process(self, env_id: str, pid: int) -> ProcessStream:
+        self._running(env_id)
+        return await self.runtime.connect_process(env_id, pid)
+
+    async def processes(self, env_id: str) -> list[ProcessInfo]:
+        self._running(env_id)
+        return await self.runtime.list_processes(env_id)
+
+    async def process(self, env_id: str, pid: int) -> ProcessInfo:
+        for info in await self.processes(env_id):
+            if info.pid == pid:
+                return info
+        raise ProcessNotFoundError(f"no process {pid} started by weenv", env_id=env_id)
+
+    async def send_stdin(self, env_id: str, pid: int, data: bytes, *, close: bool = False) -> None:
+        self._running(env_id)
+        await self.runtime.send_stdin(env_id, pid, data, close=close)
+
+    async def signal_process(self, env_id: str, pid: int, sig: int) -> None:
+        self._running(env_id)
+        await self.runtime.signal_process(env_id, pid, sig)
+
+    async def resize_process(self, env_id: str, pid: int, rows: int, cols: int) -> None:
+        self._running(env_id)
+        await self.runtime.resize_process(env_id, pid, rows, cols)
+
+    async def wait_process(self, env_id: str, pid: int, timeout_s: float | None = None) -> ProcessEnd | None:
+        self._running(env_id)
+        return await self.runtime.wait_process(env_id, pid, timeout_s)
 
     async def files(self, env_id: str, op: str, path: str, *, data: bytes = b"", mode: int = 0o644,
                     user: str | None = None, recursive: bool = False, max_bytes: int | None = None) -> Any:
