@@ -50,6 +50,9 @@ class HostFacts(msgspec.Struct, frozen=True, kw_only=True):
     unified_controllers: tuple[str, ...] = ()
     """Controllers attached to the cgroup2 hierarchy (``cgroup.controllers`` of its root)."""
     crun_path: str | None = None
+    runsc_path: str | None = None
+    """gVisor's runsc, for ``runtime = "gvisor"`` envs (its platform is probed by
+    :func:`weenv.provision._gvisor.probe_platform` on first use)."""
     init_path: str | None = None
     """A statically linked idle init to bind-mount into every env (catatonit)."""
     kernel_release: str = ""
@@ -66,6 +69,11 @@ class HostFacts(msgspec.Struct, frozen=True, kw_only=True):
         if self.crun_path is None:
             raise HostError("crun is not installed (apt-get install crun)")
         return self.crun_path
+
+    def require_runsc(self) -> str:
+        if self.runsc_path is None:
+            raise HostError('runsc is not installed: runtime = "gvisor" needs it (apt-get install runsc)')
+        return self.runsc_path
 
     def require_init(self) -> str:
         if self.init_path is None:
@@ -98,6 +106,7 @@ def detect_host(*, proc_dir: str = "/proc") -> HostFacts:
         unified_mount=layout.unified_mount,
         unified_controllers=_read_controllers(layout.unified_mount),
         crun_path=shutil.which("crun"),
+        runsc_path=shutil.which("runsc"),
         init_path=os.path.realpath(init_path) if init_path else None,
         kernel_release=platform.release(),
         nofile_hard=_nofile_hard(),

@@ -1,0 +1,280 @@
+"""The gVisor runtime on real runsc: create, exec (exit codes, output, not found, timeout kill),
+files written from the host and from the env, pause/resume through the freezer, cgroup
+placement and limits, no network, refusals, the platform probe, and the router."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import trio
+
+from tests.fixtures_runtime import require_crun, start_env
+from weenv.provision._errors import ContainerError, ContainerNotFoundError, HostError, SpecError
+from weenv.provision._hostcheck import detect_host
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+
+def _runsc_skip_reason() -> str | None:
+    """Why runsc cannot run here, or None: only a host that truly cannot run it skips."""
+    if os.geteuid() != 0:
+        return "needs root"
+    host = detect_host()
+    if host.runsc_path is None:
+        return "runsc is not installed (apt-get install runsc)"
+    if host.init_path is None:
+        return "needs catatonit (apt-get install catatonit)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def gvisor_platform(tmp_path_factory) -> str:
+    reason = _runsc_skip_reason()
+    if reason:
+        print(f"SKIP gVisor tests: {reason}")
+        pytest.skip(reason)
+    from weenv.provision._gvisor import probe_platform
+
+    host = detect_host()
+    try:
+        found = probe_platform(host.runsc_path, host.init_path, cache_dir=str(tmp_path_factory.mktemp("probe")))
+    except HostError as e:
+        print(f"SKIP gVisor tests: {e}")
+        pytest.skip(str(e))
+    print(f"gVisor platform: {found.platform} ({found.results})")
+    return found.platform
+
+
+@pytest.fixture
+def gvisor_runtime(tmp_path, gvisor_platform):
+    from weenv.provision._gvisor import GvisorRuntime
+
+    runtime = GvisorRuntime(str(tmp_path / "run"), platform=gvisor_platform)
+    try:
+        yield runtime
+    finally:
+
+        async def cleanup() -> None:
+            for st in await runtime.list():
+                await runtime.delete(st.id, force=True)
+
+        run(cleanup)
+        assert run(runtime.list) == []
+
+
+def _sandbox_pids(runtime) -> list[int]:
+    """Host processes of runsc sandboxes/gofers under this runtime's state directory."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if runtime.state_dir.encode() in cmd:
+                out.append(int(name))
+    return out
+
+
+# -- platform probe ------------------------------------------------------------------------
+
+
+def test_probe_reports_each_platform_and_caches(tmp_path, gvisor_platform):
+    from weenv.provision._gvisor import PLATFORMS, probe_platform
+
+    host = detect_host()
+    found = probe_platform(host.runsc_path, host.init_path, cache_dir=str(tmp_path), timeout_s=5)
+    assert found.platform in PLATFORMS and found.results[found.platform] == "ok"
+    # every platform tried before the chosen one says why it was passed over
+    for p in PLATFORMS[: PLATFORMS.index(found.platform)]:
+        assert found.results[p] != "ok" and found.results[p]
+    assert os.path.exists(tmp_path / "platform.json")
+    again = probe_platform(host.runsc_path, host.init_path, cache_dir=str(tmp_path), kvm_device="/nonexistent")
+    assert again == found  # from the cache: the kvm device is not looked at again
+
+
+def test_probe_without_kvm_device_picks_ptrace(tmp_path, gvisor_platform):
+    from weenv.provision._gvisor import probe_platform
+
+    host = detect_host()
+    found = probe_platform(host.runsc_path, host.init_path, kvm_device=str(tmp_path / "no-kvm"))
+    assert found.platform == "ptrace" and "no " in found.results["kvm"]
+
+
+# -- lifecycle, exec, files ------------------------------------------------------------------
+
+
+def test_exec_exit_codes_output_stdin_and_not_found(gvisor_runtime, busybox_rootfs, tmp_path):
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs)
+        st = await gvisor_runtime.state(env.env_id)
+        assert st.status == "running" and st.pid == env.init_pid
+        r = await env.sh("echo out; echo err >&2; exit 3")
+        assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
+        r = await env.exec(["cat"], stdin=b"hello\n" * 1000)
+        assert r.exit_code == 0 and r.stdout == b"hello\n" * 1000
+        r = await env.exec(["/no/such/binary"])
+        assert r.exit_code == 127 and r.command_not_found and b"command not found" in r.stderr
+        r = await env.sh("kill -9 $$")
+        assert r.exit_code == 137
+        # the kernel the env sees is gVisor's, not the host's
+        r = await env.exec(["dmesg"])
+        assert b"gVisor" in r.stdout or b"Starting gVisor" in r.stdout, r.stdout[:300]
+        r = await env.exec(["id", "-u"], user=__import__("weenv.provision._ocispec", fromlist=["User"]).User(uid=1000, gid=1000))
+        assert r.stdout == b"1000\n"
+
+    run(main)
+
+
+def test_timeout_kills_the_command_tree_in_the_sandbox(gvisor_runtime, busybox_rootfs, tmp_path):
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs)
+        r = await env.sh("sleep 1001 & sleep 1002 & echo started; sleep 1004", timeout_s=1.0)
+        assert r.timed_out and r.exit_code == 137 and r.stdout == b"started\n"
+        ps = await env.exec(["ps", "-o", "pid,comm,args"])
+        assert b"sleep 100" not in ps.stdout, ps.stdout
+
+    run(main)
+
+
+def test_files_cross_between_host_and_env_at_once(gvisor_runtime, busybox_rootfs, tmp_path):
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs)
+        # written by the env: on the host rootfs as soon as the exec returns (commit reads it there)
+        r = await env.sh("echo from-env > /root/a; mkdir -p /tmp/d; echo tmp > /tmp/d/b")
+        assert r.exit_code == 0
+        assert open(os.path.join(busybox_rootfs, "root/a")).read() == "from-env\n"
+        assert open(os.path.join(busybox_rootfs, "tmp/d/b")).read() == "tmp\n"  # /tmp is the rootfs's, not a tmpfs
+        # written by the host (the files API writes the rootfs): seen by the env at once, also after a read
+        r = await env.exec(["cat", "/root/a"])
+        with open(os.path.join(busybox_rootfs, "root/a"), "w") as f:
+            f.write("from-host\n")
+        with open(os.path.join(busybox_rootfs, "root/new"), "w") as f:
+            f.write("new\n")
+        r = await env.sh("cat /root/a /root/new")
+        assert r.stdout == b"from-host\nnew\n"
+        os.unlink(os.path.join(busybox_rootfs, "root/new"))
+        r = await env.sh("test -e /root/new; echo $?")
+        assert r.stdout == b"1\n"
+
+    run(main)
+
+
+# -- cgroups, freezer, network ----------------------------------------------------------------
+
+
+def test_sandbox_is_born_in_the_env_cgroups_and_limits_apply(gvisor_runtime, busybox_rootfs, tmp_path, env_cgroup):
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs, cgroup=env_cgroup)
+        in_group = set(env_cgroup.pids())
+        sandbox = set(_sandbox_pids(gvisor_runtime))
+        assert sandbox and sandbox <= in_group, (sandbox, in_group)  # gofer and sentry both
+        before = env_cgroup.sample().memory_usage_bytes
+        r = await env.sh("dd if=/dev/zero of=/dev/shm/x bs=1M count=64 2>/dev/null; echo ok")
+        assert r.stdout == b"ok\n"
+        assert env_cgroup.sample().memory_usage_bytes > before + (48 << 20)  # the env's memory is charged here
+        env_cgroup.set_pids(len(env_cgroup.pids()) + 3)
+        # a thread/process bomb in the sandbox stays within the host-side pids limit
+        r = await env.sh("for i in 1 2 3 4 5 6 7 8; do sleep 30 & done; echo spawned", timeout_s=10)
+        assert len(env_cgroup.pids()) <= len(in_group) + 3 + 3
+        env_cgroup.set_pids(None)
+
+    run(main)
+
+
+def test_pause_resume_through_the_freezer(gvisor_runtime, busybox_rootfs, tmp_path, env_cgroup):
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs, cgroup=env_cgroup)
+        r = await env.sh("sh -c 'while :; do date +%s%N > /tmp/tick; usleep 10000; done' >/dev/null 2>&1 &")
+        assert r.exit_code == 0
+        await trio.sleep(0.3)
+        tick = os.path.join(busybox_rootfs, "tmp/tick")
+        await trio.to_thread.run_sync(env_cgroup.freeze)
+        assert env_cgroup.is_frozen()
+        frozen_at = open(tick).read()
+        await trio.sleep(0.5)
+        assert open(tick).read() == frozen_at  # nothing in the sandbox runs
+        await trio.to_thread.run_sync(env_cgroup.thaw)
+        await trio.sleep(0.3)
+        assert open(tick).read() != frozen_at
+        r = await env.exec(["true"])
+        assert r.exit_code == 0
+
+    run(main)
+
+
+def test_no_network_only_the_sandbox_loopback(gvisor_runtime, busybox_rootfs, tmp_path):
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs)
+        r = await env.sh("ip -o link 2>&1; ip -o addr 2>&1")
+        links = [ln for ln in r.stdout.decode().splitlines() if ": " in ln and "link/" in ln]
+        assert all(": lo:" in ln for ln in links), r.stdout
+        r = await env.sh("wget -q -T 2 -O- http://127.0.0.1:1/ 2>&1; nc -w 2 10.0.2.2 80 </dev/null 2>&1; echo rc=$?",
+                         timeout_s=20)
+        assert b"rc=0" not in r.stdout
+
+    run(main)
+
+
+def test_refuses_what_gvisor_cannot_do(gvisor_runtime, busybox_rootfs, tmp_path):
+    async def main():
+        with pytest.raises(SpecError, match="not available under gVisor"):
+            await start_env(gvisor_runtime, tmp_path, busybox_rootfs, env_id="h1", network="host")
+        with pytest.raises(ContainerError, match="no in-env agent"):
+            await gvisor_runtime.create("a1", str(tmp_path), busybox_rootfs, {}, listen_fd=3)
+        with pytest.raises(ContainerNotFoundError):
+            await gvisor_runtime.exec("nosuch", ["true"])
+
+    run(main)
+
+
+def test_a_new_runtime_readopts_running_envs(gvisor_runtime, busybox_rootfs, tmp_path):
+    from weenv.provision._gvisor import GvisorRuntime
+
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs)
+        again = GvisorRuntime(os.path.dirname(gvisor_runtime.state_dir), platform=gvisor_runtime.platform)
+        assert [s.id for s in await again.list()] == [env.env_id]
+        r = await again.exec(env.env_id, ["echo", "hi"])
+        assert r.stdout == b"hi\n"
+
+    run(main)
+
+
+def test_router_runs_crun_and_gvisor_envs_side_by_side(gvisor_runtime, busybox_rootfs, tmp_path):
+    require_crun()
+    from weenv.provision._gvisor import ANNOTATION_RUNTIME, RuntimeRouter
+    from weenv.provision._runtime import CrunRuntime, prepare_bundle
+    from tests.fixtures_runtime import make_busybox_rootfs
+
+    crun = CrunRuntime(str(tmp_path / "crun-run"))
+    router = RuntimeRouter({"crun": crun, "gvisor": gvisor_runtime}, default="crun")
+
+    async def main():
+        for env_id, name in (("c1", None), ("g1", "gvisor")):
+            rootfs = make_busybox_rootfs(str(tmp_path / f"rootfs-{env_id}"))
+            bundle = str(tmp_path / f"bundle-{env_id}")
+            os.makedirs(bundle)
+            spec = prepare_bundle(bundle, env_id=env_id, rootfs=rootfs, host=crun.host,
+                                  annotations={ANNOTATION_RUNTIME: name} if name else None)
+            await router.create(env_id, bundle, rootfs, spec)
+            await router.start(env_id)
+        c = await router.exec("c1", ["dmesg"])
+        g = await router.exec("g1", ["dmesg"])
+        assert b"gVisor" in g.stdout and b"gVisor" not in c.stdout
+        assert sorted(s.id for s in await router.list()) == ["c1", "g1"]
+        fresh = RuntimeRouter({"crun": crun, "gvisor": gvisor_runtime}, default="crun")
+        assert (await fresh.exec("g1", ["echo", "x"])).stdout == b"x\n"  # found by asking each runtime
+        for env_id in ("c1", "g1"):
+            await router.delete(env_id)
+        assert await router.list() == []
+        with pytest.raises(HostError, match="unknown runtime"):
+            router.get("kata")
+
+    run(main)
