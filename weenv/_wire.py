@@ -141,8 +141,8 @@ class SignalRequest(RequestBody):
     """A number or a name (``SIGTERM``, ``TERM``, ``KILL``)."""
 
 
-class WaitQuery(RequestBody):
-    """``GET /v1/envs/{id}/processes/{pid}/wait?timeout_s=``."""
+class WaitRequest(RequestBody):
+    """``POST /v1/envs/{id}/processes/{pid}/wait``: answers when the process ends, or at ``timeout_s``."""
 
     timeout_s: TimeoutS | None = None
 
