@@ -30,6 +30,9 @@ from ._errors import (
     EnvNotFoundError,
     EnvStartError,
     EnvStateError,
+    ProcessNotFoundError,
+    ProcessStartError,
+    ProcessStateError,
     ProvisionError,
     SpecError,
 )
@@ -120,6 +123,12 @@ def _error(e: BaseException) -> HTTPError:
         return HTTPError(404, "file_not_found", str(e))
     if isinstance(e, EnvStateError):
         return HTTPError(409, "wrong_state", str(e))
+    if isinstance(e, ProcessNotFoundError):
+        return HTTPError(404, "process_not_found", str(e))
+    if isinstance(e, ProcessStateError):
+        return HTTPError(409, "wrong_state", str(e))
+    if isinstance(e, ProcessStartError):
+        return HTTPError(400, "command_not_found" if e.not_found else "cannot_start", str(e))
     if isinstance(e, AdmissionError):
         return HTTPError(503, "not_admitted", str(e))
     if isinstance(e, (PlanError, SpecError)):
@@ -431,6 +440,63 @@ class Daemon:
                 return Response(200, wire.encode(result))
             return StreamResponse(partial(self._exec_stream, env_id, argv, kw))
 
+        # -- process handles (docs/architecture.md, "Processes") --------------------------------
+
+        @r.route("POST", "/v1/envs/{id}/processes")
+        async def process_start(req: Request) -> Response | StreamResponse:
+            body = req.decode(wire.ProcessStartRequest)
+            pty = (body.pty.rows, body.pty.cols) if body.pty is not None else None
+            proc = await call(m.start_process(req.params["id"], body.command(), env=body.env, cwd=body.cwd,
+                                              user=body.user, stdin=body.stdin, pty=pty, tag=body.tag,
+                                              buffer_bytes=body.buffer_bytes))
+            if not body.stream:
+                pid = proc.pid
+                with trio.CancelScope(shield=True):
+                    await proc.aclose()  # detach: the process runs on
+                return json_response(await call(m.process(req.params["id"], pid)), 201)
+            return StreamResponse(partial(self._process_stream, proc))
+
+        @r.route("GET", "/v1/envs/{id}/processes")
+        async def process_list(req: Request) -> Response:
+            return json_response(await call(m.processes(req.params["id"])))
+
+        @r.route("GET", "/v1/envs/{id}/processes/{pid}")
+        async def process_show(req: Request) -> Response:
+            return json_response(await call(m.process(req.params["id"], _pid(req))))
+
+        @r.route("GET", "/v1/envs/{id}/processes/{pid}/stream")
+        async def process_connect(req: Request) -> StreamResponse:
+            proc = await call(m.connect_process(req.params["id"], _pid(req)))
+            return StreamResponse(partial(self._process_stream, proc))
+
+        @r.route("POST", "/v1/envs/{id}/processes/{pid}/stdin")
+        async def process_stdin(req: Request) -> Response:
+            body = req.decode(wire.StdinRequest)
+            pid = _pid(req)
+            await call(m.send_stdin(req.params["id"], pid, body.data_b64, close=body.close))
+            return json_response(wire.Done(pid=pid))
+
+        @r.route("POST", "/v1/envs/{id}/processes/{pid}/signal")
+        async def process_signal(req: Request) -> Response:
+            body = req.decode(wire.SignalRequest)
+            pid = _pid(req)
+            await call(m.signal_process(req.params["id"], pid, _signal_number(body.signal)))
+            return json_response(wire.Done(pid=pid))
+
+        @r.route("POST", "/v1/envs/{id}/processes/{pid}/resize")
+        async def process_resize(req: Request) -> Response:
+            body = req.decode(wire.PtySize)
+            pid = _pid(req)
+            await call(m.resize_process(req.params["id"], pid, body.rows, body.cols))
+            return json_response(wire.Done(pid=pid))
+
+        @r.route("POST", "/v1/envs/{id}/processes/{pid}/wait")
+        async def process_wait(req: Request) -> Response:
+            body = req.decode(wire.WaitRequest)
+            pid = _pid(req)
+            end = await call(m.wait_process(req.params["id"], pid, body.timeout_s))
+            return json_response(wire.ProcessWait(pid=pid, end=end))
+
         @r.route("GET", "/v1/envs/{id}/files", query=wire.FilesQuery)
         async def files_get(req: Request) -> Response:
             q: wire.FilesQuery = req.q
@@ -523,6 +589,29 @@ class Daemon:
             plan = apply_overrides(plan, **overrides)
         return plan
 
+    async def _process_stream(self, proc: Any, send: Send) -> None:
+        """NDJSON :class:`~weenv._wire.ProcessEvent` lines of an attached process until it ends.
+        A client that goes away only detaches: the process runs on, its output kept for the next
+        reader (all but what was in flight to this one)."""
+        try:
+            await send(wire.encode(wire.ProcessEvent(start=wire.ProcessStarted(pid=proc.pid))) + b"\n")
+            try:
+                async for ev in proc:
+                    await send(wire.encode(ev) + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise  # the client is gone: nothing to tell it
+            except Exception as e:
+                try:
+                    err = _error(e)
+                    info = error_info(err.status, err.kind, err.message, in_stream=True)
+                except Exception:
+                    log.exception("process stream failed")
+                    info = error_info(500, "internal", f"{type(e).__name__}: {e}", in_stream=True)
+                await send(wire.encode(wire.ProcessEvent(error=info)) + b"\n")
+        finally:
+            with trio.CancelScope(shield=True):
+                await proc.aclose()
+
     async def _exec_stream(self, env_id: str, argv: list[str], kw: dict[str, Any], send: Send) -> None:
         """NDJSON exec frames; runs in the connection's task, so a client that goes away cancels
         the exec (and the env's agent kills the command) instead of leaving it to its timeout."""
@@ -543,6 +632,23 @@ class Daemon:
                 log.exception("exec stream failed")
                 final = wire.ExecFrame(error=error_info(500, "internal", f"{type(e).__name__}: {e}", in_stream=True))
         await send(wire.encode(final) + b"\n")
+
+
+def _pid(req: Request) -> int:
+    text = req.params["pid"]
+    if not text.isdigit() or not 0 < int(text) < 1 << 22:
+        raise HTTPError(400, "bad_request", f"path: {text!r} is not a process id (a positive whole number)")
+    return int(text)
+
+
+def _signal_number(sig: int | str) -> int:
+    if isinstance(sig, int):
+        return sig
+    name = sig if sig.startswith("SIG") else f"SIG{sig}"
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise HTTPError(400, "bad_request", f"request body: unknown signal {sig!r} - at `$.signal`") from None
 
 
 async def _sync(fn, *args):  # type: ignore[no-untyped-def]
