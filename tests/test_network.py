@@ -62,7 +62,6 @@ def _get(env, url: str, timeout_s: int = 3) -> tuple[int, str]:  # type: ignore[
 
 def _reachable(env, url: str) -> bool:  # type: ignore[no-untyped-def]
     code, out = _get(env, url)
-    print(url, code, out[-300:])
     return code == 0
 
 

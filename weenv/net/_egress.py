@@ -23,7 +23,8 @@ import msgspec
 import trio
 
 from . import _dns, _host, _nft
-from ._policy import EgressPolicy, Resolved, change_policy, free_slot, parse_range, policy_from_builtins, slot
+from ._policy import (SLOT_PREFIX, EgressPolicy, Resolved, change_policy, free_slot, parse_range,
+                      policy_from_builtins, slot)
 
 log = logging.getLogger("weenv.net")
 
@@ -91,6 +92,8 @@ class EgressNetwork:
         self._base_ready = False
         self._lock = trio.Lock()
         self._last_counters: dict[str, dict[str, int]] = {}
+        self._pending: dict[str, trio.Event] = {}  # set when up() is done (either way)
+        self._errors: dict[str, BaseException] = {}
 
     # -- base ---------------------------------------------------------------------------------
 
@@ -145,30 +148,60 @@ class EgressNetwork:
             out.addresses[host] = addrs
         return out
 
-    async def up(self, env_id: str, env_dir: str, policy: EgressPolicy) -> NetState:
-        """Wire a new env; on failure everything done so far is undone by :meth:`down`."""
+    def reserve(self, env_id: str, policy: EgressPolicy) -> NetState:
+        """Take a slot for a new env (no I/O): its namespace path and resolver address are known from
+        here on, so the env's bundle can be written while :meth:`up` wires it."""
         key = env_key(self.table, env_id)
         index = free_slot(self.range, {s.slot for s in self.states.values()})
         sl = slot(self.range, index)
         st = NetState(env_id=env_id, key=key, netns=f"{self.table}-{key[1:]}", veth=f"wv{key[1:]}", slot=index,
                       address=str(sl.address), gateway=str(sl.gateway), policy=policy.to_builtins())
         self.states[env_id] = st  # the slot is taken, and gc keeps the table, from here on
-        await trio.to_thread.run_sync(self._save, env_dir, st)
-        await self.ensure_base()
-        resolved = await self._resolve(policy)
-        st.resolved, st.resolved_s = resolved.to_builtins(), time.time()
-        await trio.to_thread.run_sync(self._save, env_dir, st)  # what the rules pin, for a restarted daemon
-
-        def wire() -> None:
-            _host.create_link(netns=st.netns, veth=st.veth, alias=f"{self.table}:{env_id}", address=st.address,
-                              gateway=st.gateway, prefix=sl.prefix)
-            _host.nft(_nft.render_env(self.table, st.wiring(), policy, resolved, self.range), what="env rules")
-            if policy.bandwidth_bps is not None:
-                _host.set_bandwidth(netns=st.netns, veth=st.veth, bps=policy.bandwidth_bps)
-
-        await trio.to_thread.run_sync(wire)
-        self._serve_dns(st)
+        self._pending[env_id] = trio.Event()
         return st
+
+    async def up(self, env_id: str, env_dir: str, policy: EgressPolicy) -> NetState:
+        """Wire a new env (reserving its slot first unless :meth:`reserve` did). Never raises: the
+        outcome is for :meth:`ready`, so this can run as a background task during the env's start.
+        What was done is undone by :meth:`down`."""
+        st = self.states.get(env_id) if env_id in self._pending else None
+        if st is None:
+            st = self.reserve(env_id, policy)
+        done = self._pending[env_id]
+        try:
+            await self.ensure_base()
+            resolved = await self._resolve(policy) if policy.hosts else Resolved()
+            st.resolved, st.resolved_s = resolved.to_builtins(), time.time()
+
+            def wire() -> None:
+                # recorded before anything exists in the kernel, with the pinned addresses: teardown and
+                # a restarted daemon follow it (gc finds the rest by the veth alias and netns name)
+                self._save(env_dir, st)
+                _host.create_link(netns=st.netns, veth=st.veth, alias=f"{self.table}:{env_id}", address=st.address,
+                                  gateway=st.gateway, prefix=SLOT_PREFIX)
+                _host.nft(_nft.render_env(self.table, st.wiring(), policy, resolved, self.range), what="env rules")
+                if policy.bandwidth_bps is not None:
+                    _host.set_bandwidth(netns=st.netns, veth=st.veth, bps=policy.bandwidth_bps)
+
+            await trio.to_thread.run_sync(wire)
+            self._serve_dns(st)
+        except (OSError, ValueError, _host.NetError) as e:
+            self._errors[env_id] = e
+        except BaseException as e:  # cancelled: nothing is waited for in vain
+            self._errors[env_id] = _host.NetError(f"wiring cut short: {type(e).__name__}")
+            raise
+        finally:
+            done.set()
+        return st
+
+    async def ready(self, env_id: str) -> None:
+        """Wait for :meth:`up`; its failure is raised here (``NetError``, ``ValueError``, ``OSError``)."""
+        done = self._pending.get(env_id)
+        if done is not None:
+            await done.wait()
+        err = self._errors.pop(env_id, None)
+        if err is not None:
+            raise err
 
     @staticmethod
     def _save(env_dir: str, st: NetState) -> None:
@@ -188,7 +221,11 @@ class EgressNetwork:
 
     async def down(self, env_id: str, env_dir: str) -> list[str]:
         """Remove an env's namespace, veth, rules and resolver; idempotent. Problems found."""
-        st = self.states.pop(env_id, None) or self.load(env_dir)
+        pending = self._pending.pop(env_id, None)
+        if pending is not None:
+            await pending.wait()  # a wiring still under way finishes first: then all of it is undone
+        self._errors.pop(env_id, None)
+        st = self.states.get(env_id) or self.load(env_dir)  # its slot stays taken until the kernel let go
         scope = self._dns_scopes.pop(env_id, None)
         if scope is not None:
             scope.cancel()
@@ -211,6 +248,7 @@ class EgressNetwork:
         if problems:
             self.states[env_id] = st  # kept for a later gc
         else:
+            self.states.pop(env_id, None)
             try:
                 os.unlink(os.path.join(env_dir, STATE_FILE))
             except FileNotFoundError:

@@ -342,14 +342,12 @@ class EnvManager:
 
         mark = _Stopwatch(rec.timings_ms)
         netpol = network_policy(lock)
-        if netpol.mode == "egress" and self.net is None:
-            raise EnvStartError("network = egress: this daemon has no egress networking", env_id=rec.id)
+        if netpol.mode == "egress":  # wired in the background while layers, mounts and bundle are made
+            self._network_up(rec.id, netpol)
         async with trio.open_nursery() as n:
             for i in range(len(layers)):
                 if paths[i] is None:
                     n.start_soon(register, i)
-            if netpol.mode == "egress":  # wired while the layers register: adds nothing to the start
-                n.start_soon(self._network_up, rec.id, netpol, errors)
         if errors:
             raise errors[0]
         self._save(rec)  # a daemon dying from here on must find the layer references to release
@@ -395,6 +393,9 @@ class EnvManager:
         spec = await trio.to_thread.run_sync(bundle)
         mark("bundle")
         try:
+            if netpol.mode == "egress":
+                await self._network_ready(rec.id)
+                mark("network")
             extra = {"listen_fd": listener.fileno()} if listener is not None else {}
             rec.init_pid = await self.runtime.create(rec.id, _state.bundle_path(self.envs_dir, rec.id), rootfs, spec,
                                                      cg.procs_paths(), **extra)
@@ -416,15 +417,35 @@ class EnvManager:
                     register, unregister = self._tree_source(spec, digest, size, toc, repo)
                     self.layer_trees.note_start(digest, size, register, unregister, copy=self.envlet.extract)
 
-    async def _network_up(self, env_id: str, netpol: Any, errors: list[Exception]) -> None:
-        from ..net import PolicyError, parse_policy
-        from ..net._host import NetError
+    def _network_up(self, env_id: str, netpol: Any) -> None:
+        """Reserve the env's slot now (its netns path and resolver go into the bundle); wire it in the
+        daemon's nursery, awaited by :meth:`_network_ready` just before crun create."""
+        from ..net import parse_policy
 
+        if self.net is None:
+            raise EnvStartError("network = egress: this daemon has no egress networking", env_id=env_id)
         try:
             policy = parse_policy(netpol.allow, netpol.deny, netpol.bandwidth, netpol.dns)
-            await self.net.up(env_id, _state.env_dir(self.envs_dir, env_id), policy)
-        except (NetError, PolicyError, ValueError) as e:
-            errors.append(EnvStartError(f"network: {e}", env_id=env_id))
+            self.net.reserve(env_id, policy)
+        except ValueError as e:  # PolicyError, or a full range
+            raise EnvStartError(f"network: {e}", env_id=env_id) from None
+        env_dir = _state.env_dir(self.envs_dir, env_id)
+        if self.nursery is not None:
+            self.nursery.start_soon(self.net.up, env_id, env_dir, policy)
+        else:  # no daemon loop: wired when awaited
+            self._net_inline = (env_id, env_dir, policy)
+
+    async def _network_ready(self, env_id: str) -> None:
+        from ..net._host import NetError
+
+        inline = getattr(self, "_net_inline", None)
+        if inline is not None and inline[0] == env_id:
+            self._net_inline = None
+            await self.net.up(*inline)
+        try:
+            await self.net.ready(env_id)
+        except (NetError, ValueError, OSError) as e:
+            raise EnvStartError(f"network: {e}", env_id=env_id) from None
 
     def _tree_source(self, spec: StoreSpec, digest: str, size: int, toc: str, repo: str
                      ) -> tuple[Callable[[], tuple[str, str]], Callable[[str], None]]:
