@@ -87,6 +87,7 @@ extern char **environ;
 #define MAX_BUFFER (16u << 20)
 #define MAX_PENDING_IN (4u << 20)   /* stdin not yet taken by the command: stop reading frames beyond */
 #define DRAIN_GRACE_NS 100000000LL /* wait this long for pipes to close after the command exits */
+#define MAX_QUEUE (MAX_BUFFER + (1u << 20)) /* a reader this far behind is cut off (it may attach again) */
 
 enum { ROLE_NEW, ROLE_OWNER, ROLE_READER, ROLE_CONTROL };
 
@@ -101,6 +102,10 @@ struct conn {
     size_t body_got;
     int role; /* ROLE_OWNER: a one-shot command dies with this connection */
     int proc; /* index in procs, -1 */
+    /* a reader's frames not yet sent: the agent never waits for a slow reader */
+    unsigned char *out;
+    size_t out_off, out_len;
+    int closing; /* close once out is sent */
 };
 
 struct proc {
@@ -228,9 +233,55 @@ static void finish(struct conn *c) {
     }
     close_fd(&c->fd);
     free(c->body);
+    free(c->out);
     memset(c, 0, sizeof *c);
     c->fd = -1;
     c->proc = -1;
+}
+
+/* Send what a reader's queue holds, as far as its socket takes it without waiting. */
+static void flush(struct conn *c) {
+    while (c->out_len > 0) {
+        ssize_t n = send(c->fd, c->out + c->out_off, c->out_len, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN) finish(c);
+            return;
+        }
+        c->out_off += (size_t)n;
+        c->out_len -= (size_t)n;
+    }
+    c->out_off = 0;
+    if (c->closing) finish(c);
+}
+
+static int queue_bytes(struct conn *c, const unsigned char *data, size_t len) {
+    if (c->out_len + len > MAX_QUEUE) return -1;
+    if (c->out_off + c->out_len + len > MAX_QUEUE || c->out == NULL) {
+        if (c->out_off) memmove(c->out, c->out + c->out_off, c->out_len), c->out_off = 0;
+        if (c->out == NULL && !(c->out = malloc(MAX_QUEUE))) return -1;
+    }
+    memcpy(c->out + c->out_off + c->out_len, data, len);
+    c->out_len += len;
+    return 0;
+}
+
+/* A frame for a reader: queued, then sent as far as it goes; a reader too far behind is cut off. */
+static void queue_frame(struct conn *c, char type, const void *data, uint32_t len) {
+    unsigned char hdr[5];
+    put_hdr(hdr, type, len);
+    if (queue_bytes(c, hdr, 5) < 0 || queue_bytes(c, data, len) < 0) {
+        finish(c);
+        return;
+    }
+    flush(c);
+}
+
+/* The reader's last frame: it goes once the queue is sent; the connection no longer follows the process. */
+static void queue_last(struct conn *c, char type, const void *data, uint32_t len) {
+    c->proc = -1;
+    c->closing = 1;
+    queue_frame(c, type, data, len);
 }
 
 static int attached(int pi, int readers_only) {
@@ -279,8 +330,14 @@ static void deliver(int pi, char type, const unsigned char *data, uint32_t len) 
     for (int i = 0; i < MAX_CONNS; i++) {
         struct conn *c = &conns[i];
         if (!c->used || c->proc != pi || (c->role != ROLE_OWNER && c->role != ROLE_READER)) continue;
-        if (send_frame(c->fd, type, data, len) < 0) finish(c);
-        else sent++;
+        if (c->role == ROLE_READER) {
+            queue_frame(c, type, data, len);
+            sent += c->used;
+        } else if (send_frame(c->fd, type, data, len) < 0) {
+            finish(c);
+        } else {
+            sent++;
+        }
     }
     if (!sent && p->background) keep_frame(p, type, data, len);
 }
@@ -299,6 +356,10 @@ static void end_proc(int pi) {
     for (int i = 0; i < MAX_CONNS; i++) {
         struct conn *c = &conns[i];
         if (!c->used || c->proc != pi) continue;
+        if (c->role == ROLE_READER) {
+            queue_last(c, 'X', text, (uint32_t)strlen(text));
+            continue;
+        }
         send_frame(c->fd, 'X', text, (uint32_t)strlen(text));
         finish(c);
     }
@@ -532,11 +593,21 @@ static void attach(struct conn *c, unsigned char *body, uint32_t len) {
         if (p->dropped) {
             char n[32];
             snprintf(n, sizeof n, "%llu", p->dropped);
-            if (send_frame(c->fd, 'D', n, (uint32_t)strlen(n)) < 0) { finish(c); return; }
+            if (queue_bytes(c, (unsigned char *)"D\0\0\0", 4) < 0) { finish(c); return; }
+            unsigned char len1 = (unsigned char)strlen(n);
+            if (queue_bytes(c, &len1, 1) < 0 || queue_bytes(c, (unsigned char *)n, len1) < 0) { finish(c); return; }
         }
-        if (p->kept_len && send_all(c->fd, p->kept + p->kept_off, p->kept_len) < 0) { finish(c); return; }
+        if (p->kept_len && queue_bytes(c, p->kept + p->kept_off, p->kept_len) < 0) { finish(c); return; }
         p->dropped = 0;
         p->kept_off = p->kept_len = 0;
+        if (p->ended) {
+            char text[32];
+            exit_text(p, text, sizeof text);
+            queue_last(c, 'X', text, (uint32_t)strlen(text));
+        } else {
+            flush(c);
+        }
+        return;
     }
     if (p->ended) {
         char text[32];
@@ -818,7 +889,7 @@ int main(int argc, char **argv) {
             if (!c->used) continue;
             /* a writer whose command is not taking its stdin waits (the daemon's sends block) */
             if (c->proc >= 0 && procs[c->proc].pending_len > MAX_PENDING_IN) continue;
-            pfds[n] = (struct pollfd){.fd = c->fd, .events = POLLIN}, owners[n] = i, kinds[n++] = K_CONN;
+            pfds[n] = (struct pollfd){.fd = c->fd, .events = POLLIN | (c->out_len ? POLLOUT : 0)}, owners[n] = i, kinds[n++] = K_CONN;
         }
         int timeout_ms = timeout_ns < 0 ? -1 : (int)(timeout_ns / 1000000) + 1;
         int r = poll(pfds, (nfds_t)n, timeout_ms);
@@ -854,7 +925,8 @@ int main(int argc, char **argv) {
             if (!pfds[i].revents) continue;
             if (kinds[i] == K_CONN) {
                 struct conn *c = &conns[owners[i]];
-                if (c->used && c->fd == pfds[i].fd) read_conn(c);
+                if (c->used && c->fd == pfds[i].fd && (pfds[i].revents & POLLOUT)) flush(c);
+                if (c->used && c->fd == pfds[i].fd && (pfds[i].revents & (POLLIN | POLLHUP | POLLERR))) read_conn(c);
                 continue;
             }
             struct proc *p = &procs[owners[i]];
