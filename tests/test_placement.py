@@ -1,0 +1,193 @@
+"""Placement over generated cluster states: checked against the daemon's own admission function.
+
+Each generated node is what a daemon's monitor sees (NodeView, policy, the mins of its envs); its
+report is made the way the agent makes it (``capacity_from_top`` of a /v1/top-shaped answer), and
+every decision is checked with ``weenv.provision._policy.admit``, the function the node's daemon
+runs on create.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weenv.cluster import (
+    Capacity,
+    ClusterView,
+    LayerHeld,
+    NodeReport,
+    PlacementError,
+    PlacementRequest,
+    SnapshotHeld,
+    capacity_from_top,
+    place,
+    place_group,
+    rank,
+)
+from weenv.provision._policy import EnvLimits, NodeView, PolicyConfig, admit
+
+MiB = 1 << 20
+GiB = 1 << 30
+DIGESTS = [f"sha256:{i:064x}" for i in range(6)]
+
+
+class SimNode:
+    """A node as its daemon sees it: NodeView + policy + the limits of the envs it runs."""
+
+    def __init__(self, name, view, cfg, envs, layers, snapshots, accepting):
+        self.name, self.view, self.cfg, self.envs = name, view, cfg, list(envs)
+        self.layers, self.snapshots, self.accepting = layers, snapshots, accepting
+
+    def top(self):
+        return {
+            "node": {"cpu_cores": self.view.cpu_cores, "memory_total_bytes": self.view.memory_total_bytes,
+                     "memory_available_bytes": self.view.memory_available_bytes,
+                     "memory_headroom_bytes": self.view.memory_headroom_bytes(self.cfg)},
+            "policy": {"node_memory_reserve_bytes": self.cfg.node_memory_reserve_bytes,
+                       "cpu_min_overcommit": self.cfg.cpu_min_overcommit},
+            "envs": {f"e{i}": {"cpu": {"min_cores": lim.cpu_min_cores, "used_cores": 0.0},
+                               "memory": {"min_bytes": lim.memory_min_bytes}} for i, lim in enumerate(self.envs)},
+            "admission": {"admitted": len(self.envs), "refused": 0},
+        }
+
+    def report(self):
+        return NodeReport(node=self.name, accepting=self.accepting, capacity=capacity_from_top(self.top()),
+                          layers=self.layers, snapshots=self.snapshots)
+
+    def admits(self, req, extra=()):
+        lim = limits_of(req)
+        return self.accepting and bool(admit(lim, self.view, [*self.envs, *extra], self.cfg))
+
+
+def limits_of(req):
+    return EnvLimits(cpu_min_cores=req.cpu_min_cores, cpu_max_cores=max(req.cpu_min_cores, 2.0),
+                     memory_min_bytes=req.memory_min_bytes, memory_max_bytes=req.memory_max_bytes)
+
+
+env_limits = st.builds(
+    lambda cpu, mem: EnvLimits(cpu_min_cores=cpu, cpu_max_cores=2.0, memory_min_bytes=mem, memory_max_bytes=4 * GiB),
+    st.sampled_from([0.05, 0.1, 0.25, 0.5, 1.0]), st.integers(16, 2048).map(lambda m: m * MiB))
+
+
+@st.composite
+def sim_nodes(draw, name):
+    total = draw(st.integers(1, 64)) * GiB
+    cfg = PolicyConfig(node_memory_reserve_bytes=draw(st.sampled_from([0, 256 * MiB, 512 * MiB])),
+                       cpu_min_overcommit=draw(st.sampled_from([1.0, 1.5, 4.0])))
+    view = NodeView(cpu_cores=draw(st.sampled_from([1.0, 2.0, 8.0, 64.0])), memory_total_bytes=total,
+                    memory_available_bytes=draw(st.integers(0, total)),
+                    memory_promised_bytes=draw(st.integers(0, 4 * GiB)))
+    envs = draw(st.lists(env_limits, max_size=12))
+    layers = [LayerHeld(digest=d, size_bytes=draw(st.integers(1, 500)) * MiB, where="envlet")
+              for d in draw(st.lists(st.sampled_from(DIGESTS), unique=True, max_size=4))]
+    snaps = [SnapshotHeld(id="snap-a", layers=[(DIGESTS[5], 10 * MiB)])] if draw(st.booleans()) else []
+    return SimNode(name, view, cfg, envs, layers, snaps, draw(st.booleans() | st.just(True)))
+
+
+clusters = st.integers(1, 8).flatmap(lambda n: st.tuples(*[sim_nodes(f"n{i}") for i in range(n)]))
+requests = st.builds(
+    lambda cpu, mn, mx, layers, snap, local: PlacementRequest(
+        layers=tuple((d, 100 * MiB) for d in layers), cpu_min_cores=cpu, memory_min_bytes=mn,
+        memory_max_bytes=max(mn, mx), snapshot="snap-a" if snap else None, snapshot_home="n0" if snap else None,
+        snapshot_local=snap and local),
+    st.sampled_from([0.05, 0.25, 1.0, 3.0]), st.sampled_from([1, 16, 64, 256, 1024, 4096]).map(lambda m: m * MiB),
+    st.integers(1, 64).map(lambda g: g * GiB // 4), st.lists(st.sampled_from(DIGESTS), max_size=4),
+    st.booleans(), st.booleans())
+
+
+@settings(max_examples=400, deadline=None)
+@given(clusters, requests)
+def test_ranks_exactly_the_nodes_whose_daemon_admits(cluster, req):
+    ranked = place([n.report() for n in cluster], req)
+    chosen = {c.node for c in ranked}
+    for n in cluster:
+        allowed = n.admits(req) and (not req.snapshot_local or n.name == req.snapshot_home)
+        assert (n.name in chosen) == allowed, (n.name, n.admits(req))
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters, requests)
+def test_order_cache_bytes_then_home_then_least_committed(cluster, req):
+    ranked = place([n.report() for n in cluster], req)
+    keys = [(-c.cached_bytes, not c.home, c.committed_share, c.node) for c in ranked]
+    assert keys == sorted(keys)
+    by_name = {n.name: n for n in cluster}
+    for c in ranked:  # cached bytes are the plan's bytes the node holds, each layer once
+        held = {x.digest: x.size_bytes for x in by_name[c.node].layers}
+        for s in by_name[c.node].snapshots:
+            for d, size in s.layers:
+                held.setdefault(d, size)
+        assert c.cached_bytes == sum(held.get(d, 0) for d in dict.fromkeys(d for d, _ in req.layers))
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters, requests, st.integers(1, 40))
+def test_a_group_never_exceeds_any_nodes_minimums(cluster, req, n):
+    by_name = {x.name: x for x in cluster}
+    try:
+        nodes = place_group(ClusterView([x.report() for x in cluster]), req, n)
+    except PlacementError as e:
+        assert "node" in str(e)
+        return
+    assert len(nodes) == n
+    placed: dict[str, list[EnvLimits]] = {}
+    for name in nodes:  # each env is admitted by its daemon next to the ones placed before it
+        assert by_name[name].admits(req, placed.get(name, [])), name
+        placed.setdefault(name, []).append(limits_of(req))
+    # the best node is filled before the next one is used: nodes appear in rank order, each in one run
+    runs = [name for i, name in enumerate(nodes) if i == 0 or nodes[i - 1] != name]
+    assert len(runs) == len(set(runs))
+    order = [c.node for c in place([x.report() for x in cluster], req)]
+    assert runs == [x for x in order if x in runs]
+
+
+def node(name, *, cpu=2.0, committed_cpu=0.0, mem=8 * GiB, committed_mem=0, headroom=None, layers=(), snaps=(),
+         accepting=True):
+    return NodeReport(node=name, accepting=accepting, layers=list(layers), snapshots=list(snaps), capacity=Capacity(
+        cpu_cores=cpu, cpu_committed_cores=committed_cpu, memory_total_bytes=mem + 512 * MiB,
+        memory_guaranteed_bytes=mem, memory_committed_bytes=committed_mem,
+        memory_headroom_bytes=mem - committed_mem if headroom is None else headroom))
+
+
+REQ = PlacementRequest(layers=((DIGESTS[0], 300 * MiB), (DIGESTS[1], 50 * MiB)), cpu_min_cores=0.25,
+                       memory_min_bytes=256 * MiB, memory_max_bytes=1 * GiB)
+
+
+def test_cache_affinity_beats_a_less_committed_node():
+    cached = node("b", committed_cpu=1.5, layers=[LayerHeld(digest=DIGESTS[0], size_bytes=300 * MiB, where="tree")])
+    ranked = place([node("a"), cached, node("c")], REQ)
+    assert [c.node for c in ranked] == ["b", "a", "c"] and ranked[0].cached_bytes == 300 * MiB
+
+
+def test_snapshot_home_breaks_a_tie_of_cached_bytes_and_a_local_snapshot_stays_home():
+    req = PlacementRequest(cpu_min_cores=0.25, memory_min_bytes=64 * MiB, memory_max_bytes=GiB,
+                           snapshot="snap-x", snapshot_home="c")
+    assert [c.node for c in place([node("a"), node("b"), node("c", committed_cpu=1.0)], req)][0] == "c"
+    local = PlacementRequest(cpu_min_cores=0.25, memory_min_bytes=64 * MiB, memory_max_bytes=GiB,
+                             snapshot="snap-x", snapshot_home="c", snapshot_local=True)
+    assert [c.node for c in place([node("a"), node("b"), node("c")], local)] == ["c"]
+    with pytest.raises(PlacementError, match="local to node c .*publish"):
+        place_group(ClusterView([node("a"), node("c", committed_cpu=2.0)]), local, 1)
+
+
+def test_a_group_spreads_only_when_the_best_node_is_full():
+    view = ClusterView([node("a", cpu=1.0), node("b", cpu=2.0, layers=[
+        LayerHeld(digest=DIGESTS[0], size_bytes=300 * MiB, where="envlet")])])
+    assert place_group(view, REQ, 8) == ["b"] * 8
+    assert place_group(view, REQ, 10) == ["b"] * 8 + ["a"] * 2
+    with pytest.raises(PlacementError, match="only 12 of 13"):
+        place_group(view, REQ, 13)
+
+
+def test_refusals_say_why():
+    with pytest.raises(PlacementError) as e:
+        place_group(ClusterView([node("a", accepting=False), node("b", mem=512 * MiB),
+                                 node("c", committed_cpu=2.0)]), REQ, 1)
+    msg = str(e.value)
+    assert "not accepting" in msg and "memory max above" in msg and "cpu mins already guaranteed" in msg
+
+
+def test_duplicate_node_names_are_refused():
+    with pytest.raises(PlacementError, match="unique"):
+        ClusterView([node("a"), node("a")])

@@ -1,0 +1,222 @@
+"""Placement: which nodes may take an env, best first. Pure functions over node reports.
+
+Rules, in order (docs/cluster.md):
+
+1. Only nodes that admit the env's minimums, exactly as their daemons would (weenv/provision/
+   _policy.py ``admit``): the max fits in RAM minus the reserve, the sum of memory mins fits there
+   too, the min fits in today's headroom, the sum of CPU mins fits in cores x overcommit. A node
+   that is not accepting (daemon or envlet down, lost, draining) takes nothing. A node-local
+   snapshot starts only on its home node.
+2. Most of the plan's bytes already on the node (envlet, layer trees, snapshot layers, layers seen).
+3. The snapshot's home node, for forks and envs from a snapshot.
+4. The least committed node: the larger of its CPU-min and memory-min shares.
+5. The node name, so that a decision is reproducible.
+
+A group (n envs of one request, e.g. the forks of one snapshot) fills the best node up to what
+it admits, then the next: it spreads only when one node cannot take them all.
+
+:class:`ClusterView` is built once per batch of reports (an index from layer digest to the nodes
+holding it); :func:`rank` and :func:`place_group` then cost a filter over the nodes plus a sort
+of the candidates: about 0.3 ms at 1,000 nodes (benchmarks/cluster.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from ._errors import PlacementError
+from ._report import NodeReport
+
+_EPS = 1e-9
+
+
+class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True):
+    layers: tuple[tuple[str, int], ...] = ()  # (digest, size): the plan's groups, then snapshot layers
+    cpu_min_cores: float = 0.0
+    memory_min_bytes: int = 0
+    memory_max_bytes: int = 0
+    snapshot: str | None = None
+    snapshot_home: str | None = None  # the node that made (holds) the snapshot
+    snapshot_local: bool = False  # True: not published, so only its home node can start it
+
+
+class Choice(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    cached_bytes: int
+    home: bool
+    committed_share: float
+
+
+class _Node:
+    """One node's numbers, unpacked from its report once per view."""
+
+    __slots__ = ("name", "accepting", "cpu_cap", "cpu_committed", "mem_free", "headroom", "ceiling", "share")
+
+    def __init__(self, r: NodeReport):
+        c = r.capacity
+        self.name = r.node
+        self.accepting = r.accepting and r.healthy
+        self.cpu_cap = c.cpu_cores + _EPS  # the daemon's own tolerance
+        self.cpu_committed = c.cpu_committed_cores
+        self.mem_free = c.memory_guaranteed_bytes - c.memory_committed_bytes
+        self.headroom = c.memory_headroom_bytes
+        self.ceiling = c.memory_guaranteed_bytes
+        cpu_share = c.cpu_committed_cores / c.cpu_cores if c.cpu_cores > 0 else 1.0
+        mem_share = c.memory_committed_bytes / c.memory_guaranteed_bytes if c.memory_guaranteed_bytes > 0 else 1.0
+        self.share = max(cpu_share, mem_share)
+
+
+class ClusterView:
+    """Reports unpacked for placement: node numbers, and which nodes hold which layer's bytes."""
+
+    def __init__(self, reports: Iterable[NodeReport]):
+        self.nodes: list[_Node] = []
+        self.by_name: dict[str, int] = {}
+        self.layer_index: dict[str, list[tuple[int, int]]] = {}  # digest -> [(node index, bytes)]
+        for r in reports:
+            if r.node in self.by_name:
+                raise PlacementError(f"two reports name node {r.node!r}: node names must be unique")
+            i = len(self.nodes)
+            self.by_name[r.node] = i
+            self.nodes.append(_Node(r))
+            seen: set[str] = set()
+            for layer in r.layers:
+                if layer.digest not in seen:
+                    seen.add(layer.digest)
+                    self.layer_index.setdefault(layer.digest, []).append((i, layer.size_bytes))
+            for snap in r.snapshots:
+                for digest, size in snap.layers:
+                    if digest not in seen:
+                        seen.add(digest)
+                        self.layer_index.setdefault(digest, []).append((i, size))
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+def _admits(n: _Node, cpu: float, mem_min: int, mem_max: int) -> bool:
+    return (n.accepting and mem_max <= n.ceiling and mem_min <= n.mem_free and mem_min <= n.headroom
+            and n.cpu_committed + cpu <= n.cpu_cap)
+
+
+def _cached(view: ClusterView, req: PlacementRequest) -> dict[int, int]:
+    cached: dict[int, int] = {}
+    seen: set[str] = set()
+    for digest, _ in req.layers:
+        if digest in seen:
+            continue
+        seen.add(digest)
+        for i, size in view.layer_index.get(digest, ()):
+            cached[i] = cached.get(i, 0) + size
+    return cached
+
+
+def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None) -> list[Choice]:
+    """The nodes that admit ``req``, best first (at most ``limit``); empty when none does."""
+    cpu, mem_min, mem_max = req.cpu_min_cores, req.memory_min_bytes, req.memory_max_bytes
+    nodes = view.nodes
+    if req.snapshot_local:
+        i = view.by_name.get(req.snapshot_home or "")
+        candidates = [i] if i is not None and _admits(nodes[i], cpu, mem_min, mem_max) else []
+    else:
+        candidates = [i for i, n in enumerate(nodes) if n.accepting and mem_max <= n.ceiling
+                      and mem_min <= n.mem_free and mem_min <= n.headroom and n.cpu_committed + cpu <= n.cpu_cap]
+    cached = _cached(view, req)
+    home = view.by_name.get(req.snapshot_home or "", -1)
+
+    def key(i: int) -> tuple[int, bool, float, str]:
+        n = nodes[i]
+        return (-cached.get(i, 0), i != home, n.share, n.name)
+
+    candidates.sort(key=key)
+    if limit is not None:
+        del candidates[limit:]
+    return [Choice(node=nodes[i].name, cached_bytes=cached.get(i, 0), home=i == home,
+                   committed_share=nodes[i].share) for i in candidates]
+
+
+def _fits(n: _Node, req: PlacementRequest, want: int) -> int:
+    """How many envs of ``req`` the node admits one after the other (each counts against the next)."""
+    if not _admits(n, req.cpu_min_cores, req.memory_min_bytes, req.memory_max_bytes):
+        return 0
+    k = want
+    if req.memory_min_bytes > 0:
+        k = min(k, n.mem_free // req.memory_min_bytes, n.headroom // req.memory_min_bytes)
+    cpu = req.cpu_min_cores
+    if cpu > 0:  # counted one by one, as the daemon adds them up (no division rounding to trust)
+        committed, j = n.cpu_committed, 0
+        while j < k and committed + cpu <= n.cpu_cap:
+            committed += cpu
+            j += 1
+        k = j
+    return max(k, 0)
+
+
+def place_group(view: ClusterView, req: PlacementRequest, n: int) -> list[str]:
+    """Nodes for ``n`` envs of ``req`` (one name per env, best node first): the best node takes as
+    many as it admits, then the next. Raises PlacementError when the nodes cannot take all ``n``."""
+    if n < 1:
+        raise PlacementError(f"a group needs at least one env, got n={n}")
+    out: list[str] = []
+    for choice in rank(view, req):
+        k = _fits(view.nodes[view.by_name[choice.node]], req, n - len(out))
+        out += [choice.node] * k
+        if len(out) == n:
+            return out
+    raise PlacementError(_why(view, req, n, len(out)))
+
+
+def place(reports: Sequence[NodeReport], req: PlacementRequest) -> list[Choice]:
+    """:func:`rank` over fresh reports (build a :class:`ClusterView` once to place many envs)."""
+    return rank(ClusterView(reports), req)
+
+
+def _why(view: ClusterView, req: PlacementRequest, n: int, got: int) -> str:
+    """Why no (or not enough) room: counts of nodes by their first unmet rule."""
+    reasons: dict[str, int] = {}
+    for node in view.nodes:
+        if not node.accepting:
+            r = "not accepting (down, lost or draining)"
+        elif req.memory_max_bytes > node.ceiling:
+            r = "memory max above what the node can give one env"
+        elif req.memory_min_bytes > node.mem_free:
+            r = "memory mins already guaranteed"
+        elif req.memory_min_bytes > node.headroom:
+            r = "no memory headroom now"
+        elif node.cpu_committed + req.cpu_min_cores > node.cpu_cap:
+            r = "cpu mins already guaranteed"
+        else:
+            r = "room for fewer"
+        reasons[r] = reasons.get(r, 0) + 1
+    what = (f"cpu min {req.cpu_min_cores:g} cores, memory min {req.memory_min_bytes >> 20} MiB, "
+            f"max {req.memory_max_bytes >> 20} MiB")
+    where = ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items())) or "no nodes"
+    if req.snapshot_local:
+        where = (f"snapshot {req.snapshot} is local to node {req.snapshot_home} (publish it to start it "
+                 f"elsewhere); {where}")
+    head = f"no node can take {n} env{'s' if n != 1 else ''} ({what})" if got == 0 else \
+        f"the nodes can take only {got} of {n} envs ({what})"
+    return f"{head}; {len(view.nodes)} nodes: {where}"
+
+
+def request_for(lock: dict[str, object], *, snapshot_layers: Sequence[tuple[str, int]] = (),
+                snapshot: str | None = None, snapshot_home: str | None = None,
+                snapshot_local: bool = False) -> PlacementRequest:
+    """A placement request from a plan lock (JSON form, as the daemon stores it)."""
+    try:
+        groups = lock.get("groups", [])  # type: ignore[union-attr]
+        layers = tuple((g["layer_digest"], int(g["layer_size"])) for g in groups)  # type: ignore[index,union-attr]
+        res = lock.get("resources") or {}  # type: ignore[union-attr]
+        cpu = (res.get("cpu") or {})  # type: ignore[union-attr]
+        mem = (res.get("memory") or {})  # type: ignore[union-attr]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PlacementError(f"the plan lock is not one placement can read: {e}") from None
+    from ..plan._model import DEFAULT_CPU_MIN_CORES, DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MIN_BYTES
+
+    return PlacementRequest(layers=layers + tuple(snapshot_layers),
+                            cpu_min_cores=float(cpu.get("min", DEFAULT_CPU_MIN_CORES)),
+                            memory_min_bytes=int(mem.get("min", DEFAULT_MEMORY_MIN_BYTES)),
+                            memory_max_bytes=int(mem.get("max", DEFAULT_MEMORY_MAX_BYTES)),
+                            snapshot=snapshot, snapshot_home=snapshot_home, snapshot_local=snapshot_local)
