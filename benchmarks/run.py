@@ -31,6 +31,7 @@ BENCHMARKS = [
     ("density", "density and overcommit: static vs elastic sizing", 3600),
     ("rollout", "slime rollout step: fresh env per sample vs fork per group", 1800),
     ("package", "task packaging: group per task vs image per task", 1800),
+    ("cluster", "placement time at 1,000 nodes; cache-aware vs round-robin registry bytes", 600),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -92,6 +92,8 @@ class ClusterView:
                         seen.add(digest)
                         self.layer_index.setdefault(digest, []).append((i, size))
 
+        self.order = sorted(range(len(self.nodes)), key=lambda i: (self.nodes[i].share, self.nodes[i].name))
+
     def __len__(self) -> int:
         return len(self.nodes)
 
@@ -113,28 +115,35 @@ def _cached(view: ClusterView, req: PlacementRequest) -> dict[int, int]:
     return cached
 
 
-def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None) -> list[Choice]:
-    """The nodes that admit ``req``, best first (at most ``limit``); empty when none does."""
+def _ranked(view: ClusterView, req: PlacementRequest) -> tuple[list[int], dict[int, int], int]:
+    """Indices of the admitting nodes best first, the plan bytes each holds, the home's index."""
     cpu, mem_min, mem_max = req.cpu_min_cores, req.memory_min_bytes, req.memory_max_bytes
     nodes = view.nodes
-    if req.snapshot_local:
-        i = view.by_name.get(req.snapshot_home or "")
-        candidates = [i] if i is not None and _admits(nodes[i], cpu, mem_min, mem_max) else []
-    else:
-        candidates = [i for i, n in enumerate(nodes) if n.accepting and mem_max <= n.ceiling
-                      and mem_min <= n.mem_free and mem_min <= n.headroom and n.cpu_committed + cpu <= n.cpu_cap]
     cached = _cached(view, req)
     home = view.by_name.get(req.snapshot_home or "", -1)
+    if req.snapshot_local:
+        return ([home] if home >= 0 and _admits(nodes[home], cpu, mem_min, mem_max) else []), cached, home
+    # view.order is the nodes by (committed share, name): filtering in that order leaves only the
+    # few nodes holding plan bytes (or the home) to sort ahead of the rest
+    candidates = [i for i in view.order if (n := nodes[i]).accepting and mem_max <= n.ceiling
+                  and mem_min <= n.mem_free and mem_min <= n.headroom and n.cpu_committed + cpu <= n.cpu_cap]
+    if not cached and home < 0:
+        return candidates, cached, home
+    boosted = cached.keys() | {home}
+    front = sorted((i for i in candidates if i in boosted),
+                   key=lambda i: (-cached.get(i, 0), i != home, nodes[i].share, nodes[i].name))
+    front_set = set(front)
+    return front + [i for i in candidates if i not in front_set], cached, home
 
-    def key(i: int) -> tuple[int, bool, float, str]:
-        n = nodes[i]
-        return (-cached.get(i, 0), i != home, n.share, n.name)
 
-    candidates.sort(key=key)
+def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None) -> list[Choice]:
+    """The nodes that admit ``req``, best first (at most ``limit``); empty when none does."""
+    order, cached, home = _ranked(view, req)
     if limit is not None:
-        del candidates[limit:]
+        del order[limit:]
+    nodes = view.nodes
     return [Choice(node=nodes[i].name, cached_bytes=cached.get(i, 0), home=i == home,
-                   committed_share=nodes[i].share) for i in candidates]
+                   committed_share=nodes[i].share) for i in order]
 
 
 def _fits(n: _Node, req: PlacementRequest, want: int) -> int:
@@ -160,9 +169,9 @@ def place_group(view: ClusterView, req: PlacementRequest, n: int) -> list[str]:
     if n < 1:
         raise PlacementError(f"a group needs at least one env, got n={n}")
     out: list[str] = []
-    for choice in rank(view, req):
-        k = _fits(view.nodes[view.by_name[choice.node]], req, n - len(out))
-        out += [choice.node] * k
+    for i in _ranked(view, req)[0]:
+        node = view.nodes[i]
+        out += [node.name] * _fits(node, req, n - len(out))
         if len(out) == n:
             return out
     raise PlacementError(_why(view, req, n, len(out)))
