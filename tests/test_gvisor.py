@@ -278,3 +278,84 @@ def test_router_runs_crun_and_gvisor_envs_side_by_side(gvisor_runtime, busybox_r
             router.get("kata")
 
     run(main)
+
+
+# -- the plan field ------------------------------------------------------------------------------
+
+
+def test_plan_runtime_field_and_its_refusals():
+    from weenv.plan import PlanValidationError, load_text
+
+    base = 'name = "p"\n[[groups]]\nname = "os"\nref = "localhost:5000/os:1"\nclass = "os"\n'
+    assert load_text(base).runtime is None  # the node's default
+    assert load_text('runtime = "gvisor"\n' + base).runtime == "gvisor"
+    with pytest.raises(PlanValidationError, match=r"runtime.*'crun', 'gvisor'|runtime.*crun.*gvisor"):
+        load_text('runtime = "kata"\n' + base)
+    with pytest.raises(PlanValidationError, match=r"runtime.*cannot have network = 'host'"):
+        load_text('runtime = "gvisor"\nnetwork = "host"\n' + base)
+    assert load_text('runtime = "gvisor"\nnetwork = "loopback"\n' + base).network == "loopback"
+
+
+# -- through a real daemon: plan runtime = "gvisor" ----------------------------------------------
+
+
+def _in_gvisor(env) -> bool:
+    """gVisor's kernel says it is Linux 4.4.0; the host's is what os.uname says."""
+    release = env.exec(["uname", "-r"]).stdout.strip().decode()
+    return release != os.uname().release and release == "4.4.0"
+
+
+def _gvisor_lock(daemon, tmp_path, extra: str = "") -> str:
+    text = open(daemon.plan_lock).read()
+    path = tmp_path / "gvisor.lock.toml"
+    path.write_text(f'runtime = "gvisor"\n{extra}' + text)
+    return str(path)
+
+
+def test_daemon_runs_a_gvisor_env_like_any_other(daemon, tmp_path, gvisor_platform):
+    lock = _gvisor_lock(daemon, tmp_path)
+    with daemon.client() as c:
+        env = c.create(lock)
+        gv_id = env.id
+        r = env.exec(["sh", "-c", "echo out; echo err >&2; hostname; exit 7"])
+        assert (r.exit_code, r.stdout, r.stderr) == (7, b"out\n" + env.id.encode() + b"\n", b"err\n")
+        assert _in_gvisor(env)  # really in the sandbox
+        assert env.exec(["id", "-u"], user="user").stdout == b"1000\n"
+        assert env.exec(["pwd"], cwd="/tmp").stdout == b"/tmp\n"
+        # files both ways
+        env.write_file("/work/a.txt", "hello\n")
+        assert env.exec(["cat", "/work/a.txt"]).stdout == b"hello\n"
+        env.exec(["sh", "-c", "echo from-env > /work/b.txt"])
+        assert env.read_file("/work/b.txt") == b"from-env\n"
+        # pause/resume
+        env.pause()
+        assert c.get(env.id).info["status"] == "paused"
+        env.resume()
+        assert env.exec(["true"]).exit_code == 0
+        # commit and fork: the children are gVisor envs too and see the parent's files
+        env.exec(["sh", "-c", "echo committed > /root/state"])
+        children = env.fork(2)
+        try:
+            for child in children:
+                assert child.exec(["cat", "/root/state"]).stdout == b"committed\n"
+                assert _in_gvisor(child)
+        finally:
+            for child in children:
+                child.kill()
+        # a crun env next to it on the same daemon
+        with c.create(daemon.plan_lock) as plain:
+            assert not _in_gvisor(plain)
+        # no process handles under gVisor: a clear refusal, not a hang
+        with pytest.raises(Exception, match="not available under gVisor"):
+            env.spawn(["sleep", "1"])
+        env.kill()
+    assert gv_id
+
+
+def test_daemon_refuses_gvisor_with_host_network(daemon, tmp_path, gvisor_platform):
+    import weenv
+
+    lock = _gvisor_lock(daemon, tmp_path)
+    with daemon.client() as c:
+        with pytest.raises(weenv.ApiError, match="not available under gVisor|cannot have network"):
+            c.create(lock, network="host")

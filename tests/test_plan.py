@@ -195,7 +195,7 @@ ERRORS = [
     (BASE.replace('name = "demo"', ""), "plan.toml: name: required field is missing"),
     (_with("ttl = 5"),
      "plan.toml: ttl: unknown field (expected one of: name, groups, env, workdir, user, init, resources, "
-     "network, ttl_s, mounts, snapshot); did you mean 'ttl_s'?"),
+     "network, ttl_s, mounts, snapshot, runtime); did you mean 'ttl_s'?"),
     (_with('env = { "1BAD" = "x" }'),
      "plan.toml: env.1BAD: expected an environment variable name (letters, digits and '_', not starting "
      "with a digit), got '1BAD'"),

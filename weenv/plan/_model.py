@@ -103,6 +103,7 @@ DiskSize = Annotated[int, Meta(ge=MIN_DISK_BYTES, le=MAX_DISK_BYTES, extra=SIZE_
                                description='Bytes, or a size such as "512MiB", "2GiB", "1.5G".')]
 GroupClass = Literal["os", "toolchain", "harness", "evaluator", "task"]
 Network = Literal["none", "loopback", "egress", "host"]
+RuntimeName = Literal["crun", "gvisor"]
 NetworkEntry = Annotated[str, Meta(min_length=1, max_length=300, description=(
     '"CIDR[:ports]", "host.name[:ports]" or "node[:ports]"; ports: N or N-M (tcp and udp).'))]
 MAX_NETWORK_ENTRIES = 1024
@@ -217,6 +218,10 @@ class Plan(_Strict, kw_only=True):
     mounts: Annotated[list[Mount], Meta(max_length=MAX_MOUNTS, description="Read-only host bind mounts.")] = []
     snapshot: Annotated[str, Meta(pattern=SNAPSHOT_PATTERN, description=(
         "Snapshot id to start from (reserved for snapshots); groups may then be empty."
+    ))] | None = None
+    runtime: Annotated[RuntimeName, Meta(description=(
+        "crun: a container (fast, dense); gvisor: the gVisor sandbox (runsc) for code nobody trusts, "
+        "network none or loopback only (docs/security.md). Default: the node's (weenv daemon --runtime)."
     ))] | None = None
 
 

@@ -332,6 +332,12 @@ def check_plan(plan: Plan) -> list[Problem]:
         else:
             targets[target] = i
     problems += _network_problems(plan)
+    mode = plan.network if isinstance(plan.network, str) else plan.network.mode
+    if plan.runtime == "gvisor" and mode not in ("none", "loopback"):
+        add(Problem("runtime", (
+            f'"gvisor" cannot have network = {mode!r}: a gVisor env has its own network stack with '
+            'loopback only (use network = "none" or "loopback", or runtime = "crun")'
+        )))
     return problems
 
 

@@ -39,7 +39,8 @@ from ._errors import (
 from ._http import HTTPError, Request, Response, Router, Send, Server, StreamResponse, error_info, json_response
 from ._monitor import PROMETHEUS_CONTENT_TYPE, Monitor
 from ._policy import PolicyConfig
-from ._runtime import CrunRuntime, ExecResult, Runtime
+from ._runtime import ExecResult, Runtime
+from ._gvisor import node_runtime
 from ._snapshots import SnapshotNotFoundError
 from .cgroups import CgroupBackend, detect_backend
 
@@ -67,6 +68,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     envlet_check_interval_s: float = 0.5  # a ping is ~0.1 ms; a dead envlet is back within 2 s (start ~0.7 s)
     cgroup_root: str = "weenv"  # weenv's parent group, under this process's own cgroup
     use_agent: bool = True  # weenv-agent as the env init (fast exec); False: catatonit + crun exec
+    runtime: str = "crun"  # runtime of plans that name none: "crun" or "gvisor" (runsc; docs/security.md)
     # envs kept started per recently used lock, handed out by create (0: off; env WEENV_POOL_SIZE)
     pool_size: int = msgspec.field(default_factory=lambda: int(os.environ.get("WEENV_POOL_SIZE", "0") or 0))
     pool_idle_s: float = msgspec.field(  # a lock's pool is dropped after this long without a create
@@ -156,7 +158,7 @@ class Daemon:
         self.socket_path = os.path.join(self.run_dir, "weenv.sock")
         self.envs_dir = os.path.join(home, "envs")
         os.makedirs(self.run_dir, mode=0o755, exist_ok=True)
-        self.runtime = runtime or CrunRuntime(self.run_dir)
+        self.runtime = runtime or node_runtime(self.run_dir, self.config.runtime)
         self.backend = backend or detect_backend(self.config.cgroup_root)
         c = self.config
         self.monitor = Monitor(self.backend.node_memory, interval_ms=c.monitor_interval_ms, cfg=c.policy,

@@ -44,6 +44,8 @@ from ._monitor import Monitor
 from ._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
 from ._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
+from ._errors import HostError
+from ._gvisor import plan_runtime
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
 from ._startcheck import LockVerifier, check_registered, check_start
@@ -376,8 +378,12 @@ class EnvManager:
         def bundle() -> dict[str, Any]:
             nonlocal listener
             user = resolve_user(rootfs, lock.user) if lock.user else ROOT_USER
+            try:
+                routing, agent_ok = plan_runtime(self.runtime, lock.runtime)
+            except HostError as e:
+                raise EnvStartError(str(e), env_id=rec.id) from None
             agent: dict[str, str] = {}
-            if self.agent_path is not None and not lock.init:
+            if self.agent_path is not None and not lock.init and agent_ok:
                 sock_path = os.path.join(_state.env_dir(self.envs_dir, rec.id), "agent.sock")
                 listener = agent_listener(sock_path)
                 agent = {"agent_path": self.agent_path, "agent_socket": sock_path}
@@ -388,6 +394,7 @@ class EnvManager:
                 nameserver=self.net.nameserver(rec.id) if netpol.mode == "egress" else None,
                 cwd=lock.workdir or "/", user=user,
                 bind_mounts=[BindMount(source=m.source, destination=m.target) for m in lock.mounts], **agent,
+                annotations=routing or None,
             )
 
         spec = await trio.to_thread.run_sync(bundle)

@@ -430,6 +430,13 @@ class GvisorRuntime(CrunRuntime):
                     n.start_soon(self._kill_pid, env_id, pid)
             await trio.sleep(0.01)
 
+    async def _agent_socket(self, env_id: str):  # type: ignore[override]
+        await self._lookup(env_id)
+        raise ContainerError(
+            "process handles (background processes, attach, stdin, signals, pty) are not available under gVisor: "
+            "they live in the in-env agent, which gVisor envs do not run; use exec, or runtime = \"crun\"",
+            env_id=env_id)
+
     async def _kill_pid(self, env_id: str, pid: int) -> None:
         try:
             await self._crun("kill", "--pid", str(pid), env_id, str(int(signal.SIGKILL)), env_id=env_id)
@@ -535,6 +542,27 @@ class RuntimeRouter(Runtime):
     async def exec(self, env_id, argv, **kw):
         return await (await self._of(env_id)).exec(env_id, argv, **kw)
 
+    async def start_process(self, env_id, argv, **kw):
+        return await (await self._of(env_id)).start_process(env_id, argv, **kw)
+
+    async def connect_process(self, env_id, pid):
+        return await (await self._of(env_id)).connect_process(env_id, pid)
+
+    async def list_processes(self, env_id):
+        return await (await self._of(env_id)).list_processes(env_id)
+
+    async def send_stdin(self, env_id, pid, data, *, close=False):
+        return await (await self._of(env_id)).send_stdin(env_id, pid, data, close=close)
+
+    async def signal_process(self, env_id, pid, sig):
+        return await (await self._of(env_id)).signal_process(env_id, pid, sig)
+
+    async def resize_process(self, env_id, pid, rows, cols):
+        return await (await self._of(env_id)).resize_process(env_id, pid, rows, cols)
+
+    async def wait_process(self, env_id, pid, timeout_s=None):
+        return await (await self._of(env_id)).wait_process(env_id, pid, timeout_s)
+
     async def kill(self, env_id, sig=signal.SIGKILL):
         return await (await self._of(env_id)).kill(env_id, sig)
 
@@ -560,3 +588,25 @@ class RuntimeRouter(Runtime):
                 self._owner.setdefault(st.id, name)
                 out.append(st)
         return out
+
+
+def plan_runtime(runtime: Runtime, requested: str | None) -> tuple[dict[str, str], bool]:
+    """For a plan's ``runtime`` (None: the node's default): the spec annotations that route the
+    env to it, and whether the in-env agent can be its init. Raises :class:`HostError` naming the
+    runtime when this daemon cannot run it."""
+    if isinstance(runtime, RuntimeRouter):
+        name = requested or runtime.default
+        return {ANNOTATION_RUNTIME: name}, bool(getattr(runtime.get(name), "supports_agent", True))
+    own = getattr(runtime, "name", "crun")
+    if requested is not None and requested != own:
+        raise HostError(f'runtime = "{requested}": this daemon runs only {own} envs')
+    return {}, bool(getattr(runtime, "supports_agent", True))
+
+
+def node_runtime(run_dir: str, default: str = "crun", *, host: HostFacts | None = None) -> RuntimeRouter:
+    """The daemon's runtime: crun and gVisor envs side by side, ``default`` for plans that name none."""
+    if default not in RUNTIMES:
+        raise HostError(f"unknown runtime {default!r} (weenv has {', '.join(RUNTIMES)})")
+    host = host if host is not None else detect_host()
+    return RuntimeRouter({"crun": lambda: CrunRuntime(run_dir, host=host),
+                          "gvisor": lambda: GvisorRuntime(run_dir, host=host)}, default=default)
