@@ -154,6 +154,7 @@ def test_node_services_refused_unless_allowed(daemon: EgressDaemon) -> None:
         try:
             code, out = _get(env, f"http://{gw}:18080/")
             assert code == 0 and "node" in out, out
+            assert _reachable(env, "http://weenv-node:18080/")
             assert not _reachable(env, f"http://{gw}:18081/")  # another port of the node
             assert not _reachable(env, f"http://{OUT_HOST}:18080/")  # the node's other address
         finally:
@@ -162,6 +163,8 @@ def test_node_services_refused_unless_allowed(daemon: EgressDaemon) -> None:
         # the daemon's socket and the envlet live outside the env's mount namespace
         r = env.exec(["busybox", "ls", daemon.socket])
         assert r.exit_code != 0
+        r = env.exec(["busybox", "cat", "/etc/hosts"])
+        assert f"{gw}\tweenv-node" in r.stdout.decode()  # the node, by a name every egress env has
         env.kill()
 
 

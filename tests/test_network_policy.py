@@ -258,3 +258,23 @@ def test_pure_modules_import_no_io() -> None:
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_top_shows_egress_accounting() -> None:
+    from rich.console import Console
+
+    from weenv.cli._top import render
+
+    env = {"cpu": {"quota_cores": 1.0}, "memory": {"limit_bytes": 1 << 30},
+           "metrics": {"cpu_refusals": 0, "memory_refusals": 0, "oom_kills": 0, "cpu_up": 0, "memory_up": 0,
+                       "cpu_down": 0, "memory_down": 0}}
+    top = {"envs": {"a-1": env, "b-2": env},
+           "network": {"a-1": {"bytes_out": 2048, "bytes_in": 3 << 20, "connections_allowed": 4, "packets_denied": 7,
+                               "bytes_denied": 420}}}
+    console = Console(width=300, record=True)
+    console.print(render(top, now_wall_s=0.0))
+    text = console.export_text()
+    row_a = next(line for line in text.splitlines() if line.strip().startswith("a-1"))
+    row_b = next(line for line in text.splitlines() if line.strip().startswith("b-2"))
+    assert "NET OUT/IN" in text and "7 pkts" in row_a and "3.0MiB" in row_a.replace(" ", "")
+    assert row_b.rstrip().endswith("-")

@@ -130,6 +130,16 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
         config.layer_trees_after = layer_trees_after
     if layer_trees_size is not None:
         config.layer_trees_size_bytes = layer_trees_size
+    from ..net._egress import check_table_name
+    from ..net._policy import parse_range
+
+    for hint, check, value in (("--egress-range", parse_range, egress_range), ("--egress-table", check_table_name,
+                                                                               egress_table)):
+        if value is not None:
+            try:
+                check(value)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint=hint) from None
     config.egress_interfaces = list(egress_interfaces)
     config.runtime = default_runtime
     if node_name is not None:

@@ -67,10 +67,13 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
     t = Table(box=None, header_style="bold")
     for col, justify in (("ENV", "left"), ("CPU USED/QUOTA", "right"), ("MIN-MAX", "right"), ("THR", "right"),
                          ("MEM USED/LIMIT", "right"), ("MAX", "right"), ("LAST CHANGE", "left"),
-                         ("UP/DOWN", "right"), ("REFUSED", "right"), ("OOM", "right")):
+                         ("UP/DOWN", "right"), ("REFUSED", "right"), ("OOM", "right"),
+                         ("NET OUT/IN", "right"), ("NET DENIED", "right")):
         t.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    egress = top.get("network") or {}  # egress envs' accounting (docs/network.md)
     for env_id in sorted(envs):
         e = envs[env_id]
+        net = egress.get(env_id)
         cpu, mem, m = e["cpu"], e["memory"], e["metrics"]
         thr = cpu.get("throttled_share")
         refused = f"{m['cpu_refusals']}/{m['memory_refusals']}"
@@ -90,6 +93,8 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
             f"{m['cpu_up'] + m['memory_up']}/{m['cpu_down'] + m['memory_down']}",
             refused,
             oom,
+            f"{_bytes(net['bytes_out'])}/{_bytes(net['bytes_in'])}" if net else "-",
+            f"{net['packets_denied']} pkts" if net else "-",
         )
     return Group(head, unsqueezed(t))
 

@@ -72,6 +72,14 @@ def env_key(table: str, env_id: str) -> str:
     return "e" + hashlib.sha256(f"{table}:{env_id}".encode()).hexdigest()[:10]
 
 
+def check_table_name(table: str) -> str:
+    """An nft table name weenv may own: letters, digits and '_', starting with a letter, ≤ 24."""
+    if not table or not table.replace("_", "").isalnum() or not table[0].isalpha() or len(table) > 24 \
+            or not table.isascii():
+        raise ValueError(f"nft table name {table!r}: letters, digits and '_', starting with a letter (at most 24)")
+    return table
+
+
 class EgressNetwork:
     """Egress networking of one daemon. ``egress_interfaces``: the only interfaces traffic may
     leave the node by (none: egress envs reach only what is on the node and ``node:`` allows)."""
@@ -79,9 +87,7 @@ class EgressNetwork:
     def __init__(self, *, table: str = DEFAULT_TABLE, egress_range: str = DEFAULT_RANGE,
                  egress_interfaces: Iterable[str] = (), dns_server: str | None = None,
                  refresh_s: float = 300.0):
-        if not table.replace("_", "").isalnum() or not table[0].isalpha() or len(table) > 24:
-            raise ValueError(f"nft table name {table!r}: letters, digits and '_', starting with a letter (≤24)")
-        self.table = table
+        self.table = check_table_name(table)
         self.range = parse_range(egress_range)
         self.egress_interfaces = tuple(egress_interfaces)
         self.dns_server = dns_server

@@ -392,6 +392,7 @@ class EnvManager:
                 host=getattr(self.runtime, "host", None), network=netpol.mode, args=lock.init, env=dict(lock.env),
                 netns_path=self.net.netns_path(rec.id) if netpol.mode == "egress" else None,
                 nameserver=self.net.nameserver(rec.id) if netpol.mode == "egress" else None,
+                node_address=self.net.states[rec.id].gateway if netpol.mode == "egress" else None,
                 cwd=lock.workdir or "/", user=user,
                 bind_mounts=[BindMount(source=m.source, destination=m.target) for m in lock.mounts], **agent,
                 annotations=routing or None,

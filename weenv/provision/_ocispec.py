@@ -434,10 +434,12 @@ def build_spec(
 ETC_FILES = ("hosts", "hostname", "resolv.conf")
 
 
-def render_etc_files(env_id: str, network: str, nameserver: str | None = None) -> dict[str, bytes]:
+def render_etc_files(env_id: str, network: str, nameserver: str | None = None,
+                     node_address: str | None = None) -> dict[str, bytes]:
     """Contents of the env's /etc/hosts, /etc/hostname and /etc/resolv.conf. With no network
     beyond loopback there is no resolver; the file says so rather than pointing at one. An egress
-    env with ``dns = "node"`` gets ``nameserver``: its gateway, which answers only allowed names."""
+    env with ``dns = "node"`` gets ``nameserver``: its gateway, which answers only allowed names;
+    every egress env has its gateway (``node_address``) as ``weenv-node`` in /etc/hosts."""
     if network not in NETWORK_MODES:
         raise SpecError(f"network must be one of {', '.join(NETWORK_MODES)}, got {network!r}")
     hosts = (
@@ -445,6 +447,8 @@ def render_etc_files(env_id: str, network: str, nameserver: str | None = None) -
         "::1\tlocalhost ip6-localhost ip6-loopback\n"
         f"127.0.1.1\t{env_id}\n"
     )
+    if node_address is not None:
+        hosts += f"{node_address}\tweenv-node\n"  # the node as this env sees it (allow "node:PORT")
     resolv = f"# weenv: network={network}, no DNS resolver in this env\n"
     if nameserver is not None:
         resolv = f"# weenv: network={network}, a resolver that answers only allowed names\nnameserver {nameserver}\n"

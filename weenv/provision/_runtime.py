@@ -234,7 +234,8 @@ def prepare_bundle(bundle_dir: str, *, env_id: str, rootfs: str, host: HostFacts
     :func:`~weenv.provision._ocispec.build_spec` for ``spec_options``)."""
     etc_dir = os.path.join(bundle_dir, "etc")
     os.makedirs(etc_dir, exist_ok=True)
-    for name, data in render_etc_files(env_id, network, spec_options.pop("nameserver", None)).items():
+    for name, data in render_etc_files(env_id, network, spec_options.pop("nameserver", None),
+                                       spec_options.pop("node_address", None)).items():
         with open(os.path.join(etc_dir, name), "wb") as f:
             f.write(data)
     agent = spec_options.get("agent_path") is not None and spec_options.get("agent_socket") is not None
