@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import httpx
 import msgspec
 
 from . import _home
+from . import _wire as wire
 
 
 class WeenvError(Exception):
@@ -209,6 +210,251 @@ def start_daemon(socket_path: str, timeout_s: float = 30.0) -> None:
     raise DaemonUnavailableError(f"the weenv daemon did not start within {timeout_s:g} s (see {home}/daemon.log)")
 
 
+# ================================================================================ processes
+
+
+def _process_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None, stdin: bool,
+                  pty: tuple[int, int] | None, tag: str | None, buffer_bytes: int | None) -> bytes:
+    argv, shell = (None, cmd) if isinstance(cmd, str) else (list(cmd), None)
+    try:
+        return wire.encode_request(wire.ProcessStartRequest, argv=argv, cmd=shell, env=env or None, cwd=cwd, user=user,
+                                   stdin=stdin or None, tag=tag, buffer_bytes=buffer_bytes,
+                                   pty={"rows": pty[0], "cols": pty[1]} if pty is not None else None)
+    except msgspec.ValidationError as e:
+        raise WeenvError(f"spawn: {e}") from None
+
+
+_STREAM_WAIT = httpx.Timeout(None, connect=10.0)  # a process may stay silent for as long as it likes
+_event_decoder = msgspec.json.Decoder(wire.ProcessEvent)
+
+
+def _event(line: str) -> wire.ProcessEvent | None:
+    """One NDJSON line of a process stream (None for blank lines); raises the ``error`` line."""
+    if not line.strip():
+        return None
+    ev = _event_decoder.decode(line)
+    if ev.error is not None:
+        cls = EnvNotFoundError if ev.error.kind == "env_not_found" else ApiError
+        raise cls(ev.error.status or 500, ev.error.kind, ev.error.message)
+    return ev
+
+
+def _signal_value(sig: int | str) -> int | str:
+    return int(sig) if isinstance(sig, int) else sig
+
+
+class Process:
+    """A process handle in an env (synchronous): what :meth:`Env.spawn` and :meth:`Env.connect`
+    return. It runs on when this handle is closed or the client goes away; the output nobody read
+    is kept (a bounded amount) for the next :meth:`Env.connect`.
+
+    ``events()`` yields :class:`weenv._wire.ProcessEvent` (``stream`` + ``data_b64`` bytes,
+    ``dropped``, finally ``end``). ``with`` detaches on exit."""
+
+    def __init__(self, env: "Env", pid: int, stream: Any = None, response: httpx.Response | None = None):
+        self.env, self.pid = env, pid
+        self.end: wire.ProcessEnd | None = None
+        self._cm, self._resp = stream, response
+        self._lines = response.iter_lines() if response is not None else None
+
+    def __repr__(self) -> str:
+        return f"<weenv.Process {self.pid} in {self.env.id}>"
+
+    def _url(self, what: str = "") -> str:
+        return f"/v1/envs/{self.env.id}/processes/{self.pid}{what}"
+
+    def events(self) -> Iterator[wire.ProcessEvent]:
+        """Its events until it ends (attaching first if this handle is not attached)."""
+        if self._lines is None:
+            self._attach()
+        assert self._lines is not None
+        try:
+            for line in self._lines:
+                ev = _event(line)
+                if ev is None or ev.start is not None:
+                    continue
+                if ev.end is not None:
+                    self.end = ev.end
+                yield ev
+                if ev.end is not None:
+                    return
+        except httpx.TransportError as e:
+            raise DaemonUnavailableError(f"weenv daemon at {self.env.client.socket_path}: {e}") from None
+        finally:
+            if self.end is not None:
+                self.detach()
+        if self.end is None:
+            self.detach()
+            raise ApiError(500, "stream", f"the stream of process {self.pid} was cut (it may still run: connect again)")
+
+    def _attach(self) -> None:
+        cm = self.env.client._stream("GET", self._url("/stream"), timeout=_STREAM_WAIT)
+        resp = cm.__enter__()
+        if resp.status_code >= 400:
+            resp.read()
+            cm.__exit__(None, None, None)
+            _raise_for(resp)
+        self._cm, self._resp, self._lines = cm, resp, resp.iter_lines()
+
+    def send_stdin(self, data: bytes | str, *, close: bool = False) -> None:
+        payload = data.encode() if isinstance(data, str) else data
+        for i in range(0, max(len(payload), 1), wire.MAX_STDIN_CHUNK_BYTES):
+            last = i + wire.MAX_STDIN_CHUNK_BYTES >= len(payload)
+            body = wire.encode(wire.StdinRequest(data_b64=payload[i : i + wire.MAX_STDIN_CHUNK_BYTES], close=close and last))
+            self.env.client._request("POST", self._url("/stdin"), content=body)
+
+    def close_stdin(self) -> None:
+        self.send_stdin(b"", close=True)
+
+    def signal(self, sig: int | str = 15) -> None:
+        """Signal its whole session: a number or a name (``"SIGTERM"``, ``"KILL"``)."""
+        self.env.client._request("POST", self._url("/signal"), json={"signal": _signal_value(sig)})
+
+    def kill(self) -> None:
+        self.signal(9)
+
+    def resize(self, rows: int, cols: int) -> None:
+        self.env.client._request("POST", self._url("/resize"), json={"rows": rows, "cols": cols})
+
+    def info(self) -> wire.ProcessInfo:
+        return msgspec.convert(self.env.client._request("GET", self._url()).json(), wire.ProcessInfo)
+
+    def wait(self, timeout_s: float | None = None) -> wire.ProcessEnd | None:
+        """How it ended (None if ``timeout_s`` came first). An attached handle reads (and drops)
+        the rest of its output; otherwise the output stays for the next reader."""
+        if self._lines is not None and timeout_s is None:
+            for _ev in self.events():
+                pass
+            return self.end
+        body = {"timeout_s": timeout_s} if timeout_s is not None else {}
+        wait = httpx.Timeout(None if timeout_s is None else timeout_s + 30.0, connect=10.0)
+        data = self.env.client._request("POST", self._url("/wait"), json=body, timeout=wait).content
+        self.end = wire.decode(data, wire.ProcessWait).end
+        return self.end
+
+    def detach(self) -> None:
+        """Stop following it (it runs on)."""
+        cm, self._cm, self._resp, self._lines = self._cm, None, None, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def __enter__(self) -> "Process":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+
+class AsyncProcess:
+    """A process handle in an env (async): as :class:`Process`, with ``async for ev in proc.events()``."""
+
+    def __init__(self, env: "AsyncEnv", pid: int, stream: Any = None, response: httpx.Response | None = None):
+        self.env, self.pid = env, pid
+        self.end: wire.ProcessEnd | None = None
+        self._cm, self._resp = stream, response
+        self._lines = response.aiter_lines() if response is not None else None
+
+    def __repr__(self) -> str:
+        return f"<weenv.AsyncProcess {self.pid} in {self.env.id}>"
+
+    def _url(self, what: str = "") -> str:
+        return f"/v1/envs/{self.env.id}/processes/{self.pid}{what}"
+
+    async def events(self) -> AsyncIterator[wire.ProcessEvent]:
+        if self._lines is None:
+            await self._attach()
+        assert self._lines is not None
+        try:
+            async for line in self._lines:
+                ev = _event(line)
+                if ev is None or ev.start is not None:
+                    continue
+                if ev.end is not None:
+                    self.end = ev.end
+                yield ev
+                if ev.end is not None:
+                    return
+        except httpx.TransportError as e:
+            raise DaemonUnavailableError(f"weenv daemon at {self.env.client.socket_path}: {e}") from None
+        finally:
+            if self.end is not None:
+                with _shielded():
+                    await self.detach()
+        if self.end is None:
+            await self.detach()
+            raise ApiError(500, "stream", f"the stream of process {self.pid} was cut (it may still run: connect again)")
+
+    async def _attach(self) -> None:
+        await self.env.client._ensure()
+        cm = self.env.client._http.stream("GET", self._url("/stream"), timeout=_STREAM_WAIT)
+        resp = await cm.__aenter__()
+        if resp.status_code >= 400:
+            await resp.aread()
+            await cm.__aexit__(None, None, None)
+            _raise_for(resp)
+        self._cm, self._resp, self._lines = cm, resp, resp.aiter_lines()
+
+    async def send_stdin(self, data: bytes | str, *, close: bool = False) -> None:
+        payload = data.encode() if isinstance(data, str) else data
+        for i in range(0, max(len(payload), 1), wire.MAX_STDIN_CHUNK_BYTES):
+            last = i + wire.MAX_STDIN_CHUNK_BYTES >= len(payload)
+            body = wire.encode(wire.StdinRequest(data_b64=payload[i : i + wire.MAX_STDIN_CHUNK_BYTES], close=close and last))
+            await self.env.client._request("POST", self._url("/stdin"), content=body)
+
+    async def close_stdin(self) -> None:
+        await self.send_stdin(b"", close=True)
+
+    async def signal(self, sig: int | str = 15) -> None:
+        await self.env.client._request("POST", self._url("/signal"), json={"signal": _signal_value(sig)})
+
+    async def kill(self) -> None:
+        await self.signal(9)
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self.env.client._request("POST", self._url("/resize"), json={"rows": rows, "cols": cols})
+
+    async def info(self) -> wire.ProcessInfo:
+        return msgspec.convert((await self.env.client._request("GET", self._url())).json(), wire.ProcessInfo)
+
+    async def wait(self, timeout_s: float | None = None) -> wire.ProcessEnd | None:
+        if self._lines is not None and timeout_s is None:
+            async for _ev in self.events():
+                pass
+            return self.end
+        body = {"timeout_s": timeout_s} if timeout_s is not None else {}
+        wait = httpx.Timeout(None if timeout_s is None else timeout_s + 30.0, connect=10.0)
+        data = (await self.env.client._request("POST", self._url("/wait"), json=body, timeout=wait)).content
+        self.end = wire.decode(data, wire.ProcessWait).end
+        return self.end
+
+    async def detach(self) -> None:
+        cm, self._cm, self._resp, self._lines = self._cm, None, None, None
+        if cm is not None:
+            await cm.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> "AsyncProcess":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with _shielded():
+            await self.detach()
+
+
+def _started(resp: httpx.Response, lines: Iterator[str]) -> int:
+    for line in lines:
+        ev = _event(line)
+        if ev is not None and ev.start is not None:
+            return ev.start.pid
+    raise ApiError(500, "stream", "the process stream ended before its start")
+
+async def _astarted(lines: AsyncIterator[str]) -> int:
+    async for line in lines:
+        ev = _event(line)
+        if ev is not None and ev.start is not None:
+            return ev.start.pid
+    raise ApiError(500, "stream", "the process stream ended before its start")
+
+
 # ================================================================================ sync
 
 
@@ -244,6 +490,44 @@ class Env:
                 if result is not None:
                     return result
         raise ApiError(500, "stream", "exec stream ended without a result")
+
+    def spawn(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+              user: str | None = None, stdin: bool = False, pty: tuple[int, int] | None = None,
+              tag: str | None = None, buffer_bytes: int | None = None) -> Process:
+        """Start a background process (a str runs via /bin/sh -c) and return its handle, attached
+        to its output. It outlives the handle and this client. ``stdin`` keeps its stdin open for
+        :meth:`Process.send_stdin`; ``pty=(rows, cols)`` runs it on a pseudo-terminal."""
+        body = _process_body(cmd, env, cwd, user, stdin, pty, tag, buffer_bytes)
+        cm = self.client._stream("POST", f"/v1/envs/{self.id}/processes", content=body, timeout=_STREAM_WAIT)
+        resp = cm.__enter__()
+        try:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for(resp)
+            lines = resp.iter_lines()
+            pid = _started(resp, lines)
+        except BaseException:
+            cm.__exit__(None, None, None)
+            raise
+        proc = Process(self, pid, cm, resp)
+        proc._lines = lines
+        return proc
+
+    def connect(self, pid: int) -> Process:
+        """Attach to a process started by weenv: first the output kept since its last reader."""
+        proc = Process(self, pid)
+        proc._attach()
+        assert proc._lines is not None
+        _started(proc._resp, proc._lines)  # type: ignore[arg-type]
+        return proc
+
+    def processes(self) -> list[wire.ProcessInfo]:
+        """The env's processes started by weenv (running, and recently finished background ones)."""
+        return msgspec.convert(self.client._request("GET", f"/v1/envs/{self.id}/processes").json(), list[wire.ProcessInfo])
+
+    def process(self, pid: int) -> Process:
+        """A handle on process ``pid``, not attached (``events()`` attaches)."""
+        return Process(self, pid)
 
     def read_file(self, path: str, *, user: str | None = None) -> bytes:
         return self.client._request("GET", f"/v1/envs/{self.id}/files",
@@ -437,6 +721,42 @@ class AsyncEnv:
                 if result is not None:
                     return result
         raise ApiError(500, "stream", "exec stream ended without a result")
+
+    async def spawn(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+                    user: str | None = None, stdin: bool = False, pty: tuple[int, int] | None = None,
+                    tag: str | None = None, buffer_bytes: int | None = None) -> AsyncProcess:
+        """As :meth:`Env.spawn`."""
+        body = _process_body(cmd, env, cwd, user, stdin, pty, tag, buffer_bytes)
+        await self.client._ensure()
+        cm = self.client._http.stream("POST", f"/v1/envs/{self.id}/processes", content=body, timeout=_STREAM_WAIT)
+        resp = await cm.__aenter__()
+        try:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _raise_for(resp)
+            lines = resp.aiter_lines()
+            pid = await _astarted(lines)
+        except BaseException:
+            with _shielded():
+                await cm.__aexit__(None, None, None)
+            raise
+        proc = AsyncProcess(self, pid, cm, resp)
+        proc._lines = lines
+        return proc
+
+    async def connect(self, pid: int) -> AsyncProcess:
+        proc = AsyncProcess(self, pid)
+        await proc._attach()
+        assert proc._lines is not None
+        await _astarted(proc._lines)
+        return proc
+
+    async def processes(self) -> list[wire.ProcessInfo]:
+        resp = await self.client._request("GET", f"/v1/envs/{self.id}/processes")
+        return msgspec.convert(resp.json(), list[wire.ProcessInfo])
+
+    def process(self, pid: int) -> AsyncProcess:
+        return AsyncProcess(self, pid)
 
     async def read_file(self, path: str, *, user: str | None = None) -> bytes:
         resp = await self.client._request("GET", f"/v1/envs/{self.id}/files",

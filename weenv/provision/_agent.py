@@ -369,7 +369,10 @@ async def agent_control(socket_path: str, pid: int, frames: Sequence[tuple[bytes
     async with await agent_attach(socket_path, pid, env_id=env_id, output=False,
                                   connect_deadline_s=connect_deadline_s) as proc:
         for kind, body in frames:
-            await proc.send(kind, body)
+            try:
+                await proc.send(kind, body)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # a finished process's attach is answered 'P', 'X' and closed: read on
             frame = await _read_frame(proc._stream, proc._buf)
             if frame is None:
                 raise ContainerError("the env's agent closed the connection (did the env stop?)", env_id=env_id)

@@ -1,0 +1,248 @@
+"""Process handles (docs/architecture.md, "Processes"): background processes that outlive the
+client that started them, reattached, listed, fed stdin, signalled, waited for, on a pty.
+
+The integration tests drive a real daemon (crun, the in-env agent); the last ones run the same
+promises against :class:`weenv.testing.FakeRuntime`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import trio
+
+import weenv
+from weenv import _wire as wire
+from weenv.provision._errors import ProcessNotFoundError, ProcessStartError, ProcessStateError
+from weenv.testing import FakeRuntime
+
+from .fixtures_daemon import daemon, weenv_daemon  # noqa: F401
+
+
+def _output(events) -> tuple[bytes, wire.ProcessEnd | None, int]:  # type: ignore[no-untyped-def]
+    out, end, dropped = b"", None, 0
+    for ev in events:
+        if ev.data_b64 is not None:
+            out += ev.data_b64
+        if ev.dropped:
+            dropped += ev.dropped
+        if ev.end is not None:
+            end = ev.end
+    return out, end, dropped
+
+
+def _until(proc, want: bytes, seen: bytes = b"") -> bytes:  # type: ignore[no-untyped-def]
+    """Read ``proc``'s output until ``want`` shows (or it ends)."""
+    for ev in proc.events():
+        seen += ev.data_b64 or b""
+        if want in seen or ev.end is not None:
+            return seen
+    return seen
+
+
+# -- on crun, through the daemon ----------------------------------------------------------------
+
+
+def test_a_background_process_outlives_its_client_and_is_reattached(daemon):  # noqa: F811
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        with daemon.client() as starter:
+            proc = starter.get(env.id).spawn(["sh", "-c", "echo one; sleep 1; echo two; echo err >&2; exit 3"],
+                                             tag="bg")
+            assert _until(proc, b"one\n") == b"one\n"
+        # the starting client is gone (its stream closed mid-run): the process is still there
+        listed = {p.pid: p for p in env.processes()}
+        assert proc.pid in listed
+        info = listed[proc.pid]
+        assert info.running and info.background and info.tag == "bg" and info.argv[0] == "sh"
+        out, end, _ = _output(env.connect(proc.pid).events())
+        assert out == b"two\nerr\n"  # what it wrote while nobody was attached, then live
+        assert end is not None and end.exit_code == 3 and end.signal is None and end.status == "exit status 3"
+        finished = env.process(proc.pid).info()
+        assert not finished.running and finished.end is not None and finished.end.exit_code == 3
+
+
+def test_stdin_is_written_and_closed(daemon):  # noqa: F811
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        cat = env.spawn(["cat"], stdin=True)
+        cat.send_stdin("hello\n")
+        assert _until(cat, b"hello\n") == b"hello\n"
+        cat.send_stdin(b"world\n")
+        cat.close_stdin()
+        out, end, _ = _output(cat.events())
+        assert out == b"world\n" and end is not None and end.exit_code == 0
+        # head reads one line and exits: the rest of its stdin does not matter
+        head = env.spawn(["head", "-n1"], stdin=True)
+        head.send_stdin("first\nsecond\n")
+        out, end, _ = _output(head.events())
+        assert out == b"first\n" and end is not None and end.exit_code == 0
+        with pytest.raises(weenv.ApiError) as e:
+            env.process(head.pid).send_stdin("late\n")
+        assert e.value.status == 409
+        # a process started without stdin says so
+        quiet = env.spawn(["sleep", "30"])
+        with pytest.raises(weenv.ApiError, match="stdin") as e:
+            quiet.send_stdin("x")
+        assert e.value.status == 409 and e.value.kind == "wrong_state"
+        quiet.kill()
+        assert quiet.wait(timeout_s=10).exit_code == 137  # type: ignore[union-attr]
+
+
+def test_a_signal_ends_a_process_and_wait_reports_it(daemon):  # noqa: F811
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        with env.spawn(["sleep", "30"]) as sleeper:
+            pid = sleeper.pid
+        assert env.process(pid).wait(timeout_s=0.3) is None  # still running: the wait timed out
+        env.process(pid).signal("SIGTERM")
+        end = env.process(pid).wait(timeout_s=10)
+        assert end == wire.ProcessEnd(exit_code=143, signal=15, status="signal: terminated")
+        with env.spawn(["sh", "-c", "exit 7"]) as p:
+            assert p.wait() == wire.ProcessEnd(exit_code=7, signal=None, status="exit status 7")
+        with pytest.raises(weenv.ApiError) as e:  # an unknown name is a 400 naming the field
+            env.process(pid).signal("SIGNOPE")
+        assert e.value.status == 400 and "$.signal" in str(e.value)
+
+
+def test_a_pty_is_a_terminal_and_can_be_resized(daemon):  # noqa: F811
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        proc = env.spawn(["sh", "-c", "tty; stty size; read x; stty size"], pty=(10, 40))
+        seen = _until(proc, b"10 40")
+        assert b"/dev/pts/" in seen and b"10 40" in seen
+        proc.resize(30, 100)
+        proc.send_stdin("\n")
+        out, end, _ = _output(proc.events())
+        assert b"30 100" in out and end is not None and end.exit_code == 0
+        plain = env.spawn(["sleep", "30"])
+        with pytest.raises(weenv.ApiError, match="pty") as e:
+            plain.resize(5, 5)
+        assert e.value.status == 409
+        plain.kill()
+
+
+def test_output_kept_while_nobody_reads_is_bounded(daemon):  # noqa: F811
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        with env.spawn(["sh", "-c", "head -c 3000000 /dev/zero; echo END"], buffer_bytes=256 << 10) as p:
+            pid = p.pid
+        assert env.process(pid).wait(timeout_s=30).exit_code == 0  # type: ignore[union-attr]
+        info = env.process(pid).info()
+        assert 0 < info.buffered_bytes <= 256 << 10 and info.dropped_bytes > 2_000_000
+        out, end, dropped = _output(env.connect(pid).events())
+        assert out.endswith(b"END\n") and len(out) <= 256 << 10
+        assert dropped + len(out) == 3_000_004 and end is not None and end.exit_code == 0
+        assert env.process(pid).info().buffered_bytes == 0  # the reader took it
+
+
+def test_processes_are_listed_and_errors_are_typed(daemon):  # noqa: F811
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        a = env.spawn(["sleep", "30"], tag="a")
+        b = env.spawn(["sleep", "30"], tag="b", cwd="/tmp")
+        listed = {p.tag: p for p in env.processes() if p.tag}
+        assert listed["a"].pid == a.pid and listed["b"].cwd == "/tmp" and listed["b"].running
+        with pytest.raises(weenv.ApiError) as e:
+            env.spawn(["no-such-command"])
+        assert e.value.status == 400 and e.value.kind == "command_not_found"
+        with pytest.raises(weenv.ApiError) as e:
+            env.connect(999999)
+        assert e.value.status == 404 and e.value.kind == "process_not_found"
+        with pytest.raises(weenv.ApiError) as e:
+            env.process(0).info()
+        assert e.value.status == 400
+        a.kill()
+        b.kill()
+        assert a.wait(timeout_s=10).signal == 9 and b.wait(timeout_s=10).signal == 9  # type: ignore[union-attr]
+
+
+def test_one_shot_exec_is_unchanged_and_a_cut_exec_is_still_killed(daemon):  # noqa: F811
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        r = env.exec(["sh", "-c", "echo out; echo err >&2; exit 4"])
+        assert (r.exit_code, r.stdout, r.stderr) == (4, b"out\n", b"err\n")
+        r = env.exec(["no-such-command"])
+        assert r.exit_code == 127 and r.command_not_found and b"command not found" in r.stderr
+        r = env.exec(["sleep", "10"], timeout_s=0.3)
+        assert r.timed_out and r.exit_code == 137
+        # an exec is listed while it runs (not background), and killed when its client goes away
+        argv = ["sh", "-c", "sleep 30; echo never"]
+        body = json.dumps({"argv": argv}).encode()
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(daemon.socket)
+            raw.sendall(b"POST /v1/envs/%s/exec HTTP/1.1\r\nHost: weenv\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (env.id.encode(), len(body), body))
+            assert _wait_for(lambda: any(p.argv == argv and p.running and not p.background
+                                         for p in env.processes()))
+        assert _wait_for(lambda: not any(p.argv == argv for p in env.processes())), "the cut exec still runs"
+
+
+def _wait_for(cond, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_async_client_drives_a_process(daemon):  # noqa: F811
+    async def main() -> None:
+        async with daemon.async_client() as c, c.create(daemon.plan_lock) as env:
+            cat = await env.spawn(["cat"], stdin=True)
+            await cat.send_stdin(b"ping\n", close=True)
+            out = b""
+            async for ev in cat.events():
+                out += ev.data_b64 or b""
+            assert out == b"ping\n" and cat.end is not None and cat.end.exit_code == 0
+            sleeper = await env.spawn(["sleep", "30"])
+            await sleeper.detach()
+            assert sleeper.pid in [p.pid for p in await env.processes()]
+            await env.process(sleeper.pid).signal("KILL")
+            end = await env.process(sleeper.pid).wait(timeout_s=10)
+            assert end is not None and end.exit_code == 137 and end.status == "signal: killed"
+
+    trio.run(main)
+
+
+# -- the same promises on the fake runtime ------------------------------------------------------
+
+
+def test_fake_runtime_process_handles():
+    rt = FakeRuntime()
+
+    async def main() -> None:
+        await rt.create("e1", "/b", "/r", {"process": {"env": ["A=1"], "cwd": "/"}})
+        await rt.start("e1")
+        cat = await rt.start_process("e1", ["cat"], stdin=True, tag="t")
+        await rt.send_stdin("e1", cat.pid, b"hi\n")
+        ev = await cat.receive()
+        assert ev is not None and ev.stream == "stdout" and ev.data_b64 == b"hi\n"
+        await cat.aclose()  # detached: output is kept for the next reader
+        await rt.send_stdin("e1", cat.pid, b"again\n", close=True)
+        assert (await rt.wait_process("e1", cat.pid, 5)) == wire.ProcessEnd(exit_code=0, status="exit status 0")
+        events = [ev async for ev in await rt.connect_process("e1", cat.pid)]
+        assert [e.data_b64 for e in events if e.data_b64] == [b"again\n"] and events[-1].end is not None
+        with pytest.raises(ProcessStateError):
+            await rt.send_stdin("e1", cat.pid, b"late")
+        sleeper = await rt.start_process("e1", ["sleep", "30"])
+        assert await rt.wait_process("e1", sleeper.pid, 0.05) is None
+        await rt.signal_process("e1", sleeper.pid, 15)
+        end = await rt.wait_process("e1", sleeper.pid)
+        assert end is not None and (end.exit_code, end.signal, end.status) == (143, 15, "signal: terminated")
+        tty = await rt.start_process("e1", ["stty", "size"], pty=(10, 40))
+        assert b"10 40" in b"".join([e.data_b64 or b"" async for e in tty])
+        infos = {p.pid: p for p in await rt.list_processes("e1")}
+        assert infos[cat.pid].tag == "t" and not infos[sleeper.pid].running and infos[tty.pid].pty
+        with pytest.raises(ProcessNotFoundError):
+            await rt.connect_process("e1", 12345)
+        with pytest.raises(ProcessStartError):
+            await rt.start_process("e1", ["no-such-command"])
+        big = await rt.start_process("e1", ["cat"], stdin=True, buffer_bytes=10)
+        await big.aclose()
+        for _ in range(5):
+            await rt.send_stdin("e1", big.pid, b"0123456789")
+        await trio.sleep(0.01)
+        await rt.send_stdin("e1", big.pid, b"", close=True)
+        await rt.wait_process("e1", big.pid)
+        events = [ev async for ev in await rt.connect_process("e1", big.pid)]
+        assert events[0].dropped == 40 and [e.data_b64 for e in events if e.data_b64] == [b"0123456789"]
+
+    trio.run(main)
