@@ -1,0 +1,96 @@
+"""``weenv serve`` on 127.0.0.1 (a random port) in front of the session's real daemon, with three
+API keys (alice, bob, and an admin) and the template ``bb`` (the busybox lock)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from weenv.testing import DaemonHandle
+
+
+@dataclass
+class Served:
+    url: str
+    home: str
+    keys: dict[str, str]
+    daemon: DaemonHandle
+    log_path: str
+    proc: subprocess.Popen  # type: ignore[type-arg]
+
+    def e2b_env(self, key: str = "alice") -> dict[str, str]:
+        return {"E2B_API_URL": self.url, "E2B_SANDBOX_URL": self.url, "E2B_API_KEY": self.keys[key],
+                "E2B_DOMAIN": "weenv.test"}
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def weenv_serve(weenv_daemon: DaemonHandle) -> Iterator[Served]:
+    from weenv.api import KeyStore, TemplateStore
+
+    api_dir = os.path.join(weenv_daemon.home, "api")
+    store = KeyStore(api_dir)
+    keys = {}
+    for name, admin in (("alice", False), ("bob", False), ("root", True)):
+        if any(k.name == name for k in store.list()):
+            store.revoke(name)
+        keys[name] = store.create(name, admin=admin)
+    TemplateStore(api_dir).set("bb", weenv_daemon.plan_lock)
+    port = _free_port()
+    log_path = os.path.join(weenv_daemon.home, "serve.log")
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "weenv", "serve", "--listen", f"127.0.0.1:{port}",
+                             "--socket", weenv_daemon.socket, "--domain", "weenv.test"],
+                            env=weenv_daemon.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            start_new_session=True)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    served = Served(url, weenv_daemon.home, keys, weenv_daemon, log_path, proc)
+    deadline = time.monotonic() + 30
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weenv serve exited with {proc.returncode}:\n{served.log()[-3000:]}")
+        try:
+            if httpx.get(url + "/v1/ping", headers={"Authorization": f"Bearer {keys['root']}"}, timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"weenv serve did not answer within 30 s:\n{served.log()[-3000:]}")
+        time.sleep(0.05)
+    try:
+        yield served
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def served(weenv_serve: Served, daemon: DaemonHandle, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    """The server, with the E2B SDK's environment pointed at it (as alice); envs cleaned after the test."""
+    for k, v in weenv_serve.e2b_env().items():
+        monkeypatch.setenv(k, v)
+    yield weenv_serve

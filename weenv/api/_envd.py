@@ -1,0 +1,613 @@
+"""E2B's data plane (what ``envd`` serves inside an E2B sandbox), on top of the daemon's files and exec.
+
+- REST: ``GET /health``, ``GET /files?path=&username=`` (the file, streamed) and ``POST /files``
+  (octet-stream, streamed to the env's disk; or multipart, one part per file, spooled).
+- Connect RPC, JSON codec: ``filesystem.Filesystem/*`` and ``process.Process/Start`` for
+  foreground commands (on the daemon's streamed exec).
+
+Watching is by polling through the daemon (a listing compared with the last one, every
+:data:`WATCH_POLL_S` for ``WatchDir``, on each call for ``GetWatcherEvents``): a file created
+and removed between two looks is not seen, and a write that keeps size and mtime is not either.
+
+The Gate has already checked the env's access token and put the env id into the scope.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import json
+import posixpath
+import secrets
+import stat as stat_mod
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from .._client import ApiError as DaemonError
+from .._client import AsyncClient, DaemonUnavailableError
+from ._common import ApiState, HttpError, daemon_errors, state_of
+from ._connect import (STREAM_CONTENT_TYPE, UNARY_CONTENT_TYPE, Code, ConnectError, EnvelopeReader, FramingError,
+                       code_for_http_status, end_stream, envelope, error_body)
+
+MAX_RPC_BODY_BYTES = 1 << 20
+MAX_LIST_ENTRIES = 10_000
+MAX_WATCH_ENTRIES = 10_000
+MAX_WATCHERS = 256
+WATCH_POLL_S = 0.25
+KEEPALIVE_S = 50.0
+
+_FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+
+
+# -- the env, through the daemon ----------------------------------------------------------------
+
+
+@dataclass
+class EnvView:
+    """One request's env: its id, its daemon, and the user the request acts as."""
+
+    state: ApiState
+    env_id: str
+    user: str | None
+
+    @property
+    def client(self) -> AsyncClient:
+        return self.state.backend.for_env(self.env_id)
+
+    async def files(self, method: str, path: str, op: str | None = None, **kw: Any) -> httpx.Response:
+        params: dict[str, str] = {"path": path}
+        if op:
+            params["op"] = op
+        if self.user and method != "DELETE":
+            params["user"] = self.user
+        params.update(kw.pop("params", {}))
+        suffix = "/mkdir" if op == "mkdir" else ""
+        if op == "mkdir":
+            del params["op"]
+        return await self.client._request(method, f"/v1/envs/{self.env_id}/files{suffix}", params=params, **kw)
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        return (await self.files("GET", path, "stat")).json()  # type: ignore[no-any-return]
+
+    async def listdir(self, path: str) -> list[dict[str, Any]]:
+        return (await self.files("GET", path, "list")).json()  # type: ignore[no-any-return]
+
+
+_names_cache: dict[tuple[str, str], tuple[float, dict[int, str]]] = {}
+
+
+async def _names(view: EnvView, which: str) -> dict[int, str]:
+    """uid/gid -> name from the env's /etc/passwd or /etc/group (cached a few seconds)."""
+    key = (view.env_id, which)
+    hit = _names_cache.get(key)
+    if hit is not None and time.monotonic() - hit[0] < 10.0:
+        return hit[1]
+    names: dict[int, str] = {}
+    try:
+        text = (await view.client._request("GET", f"/v1/envs/{view.env_id}/files",
+                                           params={"path": f"/etc/{which}"})).content.decode("utf-8", "replace")
+        for line in text.splitlines()[:10_000]:
+            parts = line.split(":")
+            if len(parts) >= 3 and parts[2].isdigit():
+                names.setdefault(int(parts[2]), parts[0])
+    except DaemonError:
+        pass
+    if len(_names_cache) > 4096:
+        _names_cache.clear()
+    _names_cache[key] = (time.monotonic(), names)
+    return names
+
+
+def _ts(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+async def _entry(view: EnvView, info: dict[str, Any], path: str) -> dict[str, Any]:
+    """weenv's FileInfo as envd's EntryInfo (proto JSON: camelCase, int64 as a string, enum names)."""
+    users, groups = await _names(view, "passwd"), await _names(view, "group")
+    kind = info.get("kind", "file")
+    mode = int(info.get("mode", 0))
+    type_bits = {"dir": stat_mod.S_IFDIR, "symlink": stat_mod.S_IFLNK}.get(kind, stat_mod.S_IFREG)
+    out: dict[str, Any] = {
+        "name": info.get("name") or posixpath.basename(path.rstrip("/")) or "/",
+        "type": _FILE_TYPES.get(kind, "FILE_TYPE_UNSPECIFIED"),
+        "path": path, "size": str(int(info.get("size_bytes", 0))), "mode": mode,
+        "permissions": stat_mod.filemode(type_bits | mode),
+        "owner": users.get(int(info.get("uid", 0)), str(info.get("uid", 0))),
+        "group": groups.get(int(info.get("gid", 0)), str(info.get("gid", 0))),
+        "modifiedTime": _ts(float(info.get("mtime_s", 0.0))),
+    }
+    if kind == "symlink":
+        out["isSymlink"] = True
+        out["symlinkTarget"] = info.get("link_target") or ""
+    return out
+
+
+def _abs(path: Any, what: str = "path") -> str:
+    if not isinstance(path, str) or not path:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"{what} is required")
+    if "\x00" in path:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"{what} holds a NUL byte")
+    return posixpath.normpath(path if path.startswith("/") else "/" + path)
+
+
+def _rpc_error(e: DaemonError | HttpError, path: str | None = None) -> ConnectError:
+    status = e.status
+    message = e.detail if isinstance(e, DaemonError) else e.message
+    kind = e.kind
+    if kind == "env_not_found":
+        return ConnectError(Code.UNAVAILABLE, f"sandbox was not found: {message}")
+    if kind == "wrong_state":
+        return ConnectError(Code.UNAVAILABLE, f"sandbox is not running: {message}")
+    if kind == "file_not_found":
+        return ConnectError(Code.NOT_FOUND, message)
+    if kind == "file_error":
+        return ConnectError(Code.INVALID_ARGUMENT, message)
+    return ConnectError(code_for_http_status(status), message)
+
+
+# -- filesystem.Filesystem ----------------------------------------------------------------------
+
+
+async def fs_stat(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    path = _abs(req.get("path"))
+    return {"entry": await _entry(view, await view.stat(path), path)}
+
+
+async def fs_make_dir(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    path = _abs(req.get("path"))
+    try:
+        info = await view.stat(path)
+    except DaemonError as e:
+        if e.kind != "file_not_found":
+            raise
+    else:
+        if info.get("kind") == "dir":
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory {path} already exists")
+        raise ConnectError(Code.INVALID_ARGUMENT, f"{path} exists and is not a directory")
+    await view.files("POST", path, "mkdir")
+    return {"entry": await _entry(view, await view.stat(path), path)}
+
+
+async def fs_move(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    src, dst = _abs(req.get("source"), "source"), _abs(req.get("destination"), "destination")
+    await view.stat(src)  # NOT_FOUND for a missing source, before anything runs
+    body: dict[str, Any] = {"argv": ["mv", "-f", "--", src, dst], "timeout_s": 60.0}
+    if view.user:
+        body["user"] = view.user
+    result = (await view.client._request("POST", f"/v1/envs/{view.env_id}/exec", json=body)).json()
+    if result.get("exit_code") != 0:
+        err = base64.b64decode(result.get("stderr") or b"").decode("utf-8", "replace").strip()
+        raise ConnectError(Code.INVALID_ARGUMENT if "exist" not in err else Code.NOT_FOUND,
+                           f"move {src} to {dst}: {err or 'mv exited ' + str(result.get('exit_code'))}")
+    return {"entry": await _entry(view, await view.stat(dst), dst)}
+
+
+async def _walk(view: EnvView, root: str, depth: int, limit: int) -> list[tuple[str, dict[str, Any]]]:
+    """``(path, info)`` under ``root`` down to ``depth`` levels, at most ``limit`` of them."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    level = [root]
+    for _ in range(max(1, depth)):
+        nxt = []
+        for directory in level:
+            for info in await view.listdir(directory):
+                path = posixpath.join(directory, info["name"])
+                out.append((path, info))
+                if len(out) >= limit:
+                    return out
+                if info.get("kind") == "dir":
+                    nxt.append(path)
+        if not nxt:
+            break
+        level = nxt
+    return out
+
+
+async def fs_list_dir(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    path = _abs(req.get("path"))
+    depth = int(req.get("depth") or 1)
+    info = await view.stat(path)
+    if info.get("kind") != "dir":
+        raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
+    return {"entries": [await _entry(view, i, p) for p, i in await _walk(view, path, depth, MAX_LIST_ENTRIES)]}
+
+
+async def fs_remove(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    path = _abs(req.get("path"))
+    await view.stat(path)
+    await view.files("DELETE", path, params={"recursive": "1"})
+    return {}
+
+
+@dataclass
+class Watcher:
+    env_id: str
+    path: str
+    recursive: bool
+    seen: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+
+
+async def _look(view: EnvView, w: Watcher) -> dict[str, tuple[str, int, float]]:
+    found = await _walk(view, w.path, 16 if w.recursive else 1, MAX_WATCH_ENTRIES)
+    return {posixpath.relpath(p, w.path): (i.get("kind", ""), int(i.get("size_bytes", 0)), float(i.get("mtime_s", 0)))
+            for p, i in found}
+
+
+def _diff(old: dict[str, tuple[str, int, float]], new: dict[str, tuple[str, int, float]]) -> list[dict[str, Any]]:
+    events = []
+    for name in sorted(new.keys() - old.keys()):
+        events.append({"name": name, "type": "EVENT_TYPE_CREATE"})
+        if new[name][0] == "file" and new[name][1] > 0:
+            events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
+    for name in sorted(old.keys() & new.keys()):
+        if old[name] != new[name] and new[name][0] != "dir":
+            events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
+    for name in sorted(old.keys() - new.keys()):
+        events.append({"name": name, "type": "EVENT_TYPE_REMOVE"})
+    return events
+
+
+async def _new_watcher(view: EnvView, req: dict[str, Any]) -> Watcher:
+    path = _abs(req.get("path"))
+    info = await view.stat(path)
+    if info.get("kind") != "dir":
+        raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
+    w = Watcher(view.env_id, path, bool(req.get("recursive")))
+    w.seen = await _look(view, w)
+    return w
+
+
+async def fs_create_watcher(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    watchers = view.state.watchers
+    if len(watchers) >= MAX_WATCHERS:
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, f"{MAX_WATCHERS} watchers exist already: remove some")
+    w = await _new_watcher(view, req)
+    watcher_id = secrets.token_hex(8)
+    watchers[watcher_id] = w
+    return {"watcherId": watcher_id}
+
+
+def _watcher(view: EnvView, req: dict[str, Any]) -> tuple[str, Watcher]:
+    wid = req.get("watcherId") or req.get("watcher_id") or ""
+    w = view.state.watchers.get(wid)
+    if w is None or w.env_id != view.env_id:
+        raise ConnectError(Code.NOT_FOUND, f"watcher {wid!r} not found")
+    return wid, w
+
+
+async def fs_get_watcher_events(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    _, w = _watcher(view, req)
+    new = await _look(view, w)
+    events, w.seen = _diff(w.seen, new), new
+    return {"events": events}
+
+
+async def fs_remove_watcher(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+    wid, _ = _watcher(view, req)
+    view.state.watchers.pop(wid, None)
+    return {}
+
+
+async def fs_watch_dir(view: EnvView, req: dict[str, Any], keepalive_s: float) -> AsyncIterator[dict[str, Any]]:
+    w = await _new_watcher(view, req)
+    yield {"start": {}}
+    last_sent = time.monotonic()
+    while True:
+        await anyio.sleep(WATCH_POLL_S)
+        new = await _look(view, w)
+        events, w.seen = _diff(w.seen, new), new
+        for ev in events:
+            yield {"filesystem": ev}
+            last_sent = time.monotonic()
+        if time.monotonic() - last_sent >= keepalive_s:
+            yield {"keepalive": {}}
+            last_sent = time.monotonic()
+
+
+# -- process.Process (foreground Start on the daemon's streamed exec) ---------------------------
+
+
+async def proc_start(view: EnvView, req: dict[str, Any], keepalive_s: float) -> AsyncIterator[dict[str, Any]]:
+    """A command to its end: start (the pid is a made-up one: weenv's exec has no handle yet),
+    its output as it comes, then its end. Background commands, stdin and signals need the
+    daemon's process handles (not yet)."""
+    proc = req.get("process") or {}
+    if not isinstance(proc, dict) or not proc.get("cmd"):
+        raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
+    if req.get("pty"):
+        raise ConnectError(Code.UNIMPLEMENTED, "pty: weenv serve does not run commands on a pty yet")
+    argv = [str(proc["cmd"]), *[str(a) for a in (proc.get("args") or [])]]
+    body: dict[str, Any] = {"argv": argv, "stream": True}
+    if proc.get("envs"):
+        body["env"] = {str(k): str(v) for k, v in proc["envs"].items()}
+    if proc.get("cwd"):
+        body["cwd"] = str(proc["cwd"])
+    if view.user:
+        body["user"] = view.user
+    client = view.client
+    await client._ensure()
+    pid = 1000 + secrets.randbelow(1 << 20)
+    async with client._http.stream("POST", f"/v1/envs/{view.env_id}/exec", json=body, timeout=None) as resp:
+        if resp.status_code >= 400:
+            await resp.aread()
+            try:
+                err = resp.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                err = {"kind": "error", "message": resp.text}
+            raise _rpc_error(DaemonError(resp.status_code, err.get("kind", "error"), err.get("message", "")))
+        yield {"event": {"start": {"pid": pid}}}
+        async for line in resp.aiter_lines():
+            if not line.strip():
+                continue
+            msg = json.loads(line)
+            if "stream" in msg:
+                yield {"event": {"data": {msg["stream"]: msg["data_b64"]}}}
+            elif "error" in msg:
+                e = msg["error"]
+                raise _rpc_error(DaemonError(e.get("status", 500), e.get("kind", "error"), e.get("message", "")))
+            elif "result" in msg:
+                r = msg["result"]
+                code = int(r.get("exit_code", -1))
+                end: dict[str, Any] = {"exitCode": code, "exited": code < 128 or code == 255,
+                                       "status": f"exit status {code}"}
+                if r.get("timed_out"):
+                    end.update(exited=False, status="signal: killed", error="timed out")
+                elif r.get("command_not_found"):
+                    end["error"] = f"{argv[0]}: command not found"
+                yield {"event": {"end": end}}
+                return
+    raise ConnectError(Code.UNAVAILABLE, "the exec stream ended without a result")
+
+
+# -- Connect glue -------------------------------------------------------------------------------
+
+Unary = Callable[[EnvView, dict[str, Any]], Awaitable[dict[str, Any]]]
+Stream = Callable[[EnvView, dict[str, Any], float], AsyncIterator[dict[str, Any]]]
+
+UNARY: dict[str, Unary] = {
+    "filesystem.Filesystem/Stat": fs_stat,
+    "filesystem.Filesystem/MakeDir": fs_make_dir,
+    "filesystem.Filesystem/Move": fs_move,
+    "filesystem.Filesystem/ListDir": fs_list_dir,
+    "filesystem.Filesystem/Remove": fs_remove,
+    "filesystem.Filesystem/CreateWatcher": fs_create_watcher,
+    "filesystem.Filesystem/GetWatcherEvents": fs_get_watcher_events,
+    "filesystem.Filesystem/RemoveWatcher": fs_remove_watcher,
+}
+STREAMS: dict[str, Stream] = {
+    "filesystem.Filesystem/WatchDir": fs_watch_dir,
+    "process.Process/Start": proc_start,
+}
+NOT_YET = {"process.Process/Connect", "process.Process/List", "process.Process/SendInput",
+           "process.Process/StreamInput", "process.Process/SendSignal", "process.Process/CloseStdin",
+           "process.Process/Update"}
+
+
+def _rpc_user(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth[:6].lower() != "basic ":
+        return None
+    try:
+        user = base64.b64decode(auth[6:].strip(), validate=True).decode("utf-8").split(":", 1)[0]
+    except (binascii.Error, UnicodeDecodeError):
+        raise ConnectError(Code.INVALID_ARGUMENT, "Authorization: Basic is not base64 of 'user:'") from None
+    return user or None
+
+
+def _decode_message(data: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(data or b"{}")
+    except ValueError as e:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"request message is not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ConnectError(Code.INVALID_ARGUMENT, "request message must be a JSON object")
+    return msg
+
+
+async def _guarded(coro: Awaitable[Any]) -> Any:
+    try:
+        return await coro
+    except (DaemonError, HttpError) as e:
+        raise _rpc_error(e) from None
+    except DaemonUnavailableError as e:
+        raise ConnectError(Code.UNAVAILABLE, str(e)) from None
+
+
+def _unary_error(e: ConnectError) -> Response:
+    return Response(error_body(e.code, e.message), e.http_status, media_type=UNARY_CONTENT_TYPE)
+
+
+async def rpc(request: Request) -> Response:
+    name = f"{request.path_params['service']}/{request.path_params['method']}"
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    view = EnvView(state_of(request), request.scope["weenv.env"], None)
+    if name in UNARY:
+        if ctype != UNARY_CONTENT_TYPE:
+            return Response(b"", 415, headers={"Accept-Post": UNARY_CONTENT_TYPE})
+        try:
+            view.user = _rpc_user(request)
+            body = await _bounded_body(request)
+            answer = await _guarded(UNARY[name](view, _decode_message(body)))
+        except ConnectError as e:
+            return _unary_error(e)
+        return Response(msgspec.json.encode(answer), 200, media_type=UNARY_CONTENT_TYPE)
+    if name in STREAMS:
+        if ctype != STREAM_CONTENT_TYPE:
+            return Response(b"", 415, headers={"Accept-Post": STREAM_CONTENT_TYPE})
+        try:
+            view.user = _rpc_user(request)
+            reader = EnvelopeReader(MAX_RPC_BODY_BYTES)
+            messages = list(reader.feed(await _bounded_body(request)))
+            reader.close()
+            if len(messages) != 1:
+                raise ConnectError(Code.INVALID_ARGUMENT, f"a server stream takes one request message, not "
+                                   f"{len(messages)}")
+            req = _decode_message(messages[0][1])
+            keepalive = float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_S)
+        except FramingError as e:
+            return _stream_error_response(ConnectError(Code.INVALID_ARGUMENT, str(e)))
+        except (ConnectError, ValueError) as e:
+            err = e if isinstance(e, ConnectError) else ConnectError(Code.INVALID_ARGUMENT, str(e))
+            return _stream_error_response(err)
+        timeout_ms = request.headers.get("connect-timeout-ms")
+        deadline = time.monotonic() + int(timeout_ms) / 1000 if timeout_ms and timeout_ms.isdigit() else None
+        return StreamingResponse(_stream(STREAMS[name](view, req, max(1.0, keepalive)), deadline), 200,
+                                 media_type=STREAM_CONTENT_TYPE)
+    if name in NOT_YET:
+        return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: weenv serve runs foreground commands only "
+                                         "(process handles are not there yet)"))
+    return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: no such method"))
+
+
+def _stream_error_response(e: ConnectError) -> Response:
+    return Response(end_stream(e), 200, media_type=STREAM_CONTENT_TYPE)
+
+
+async def _stream(events: AsyncIterator[dict[str, Any]], deadline: float | None) -> AsyncIterator[bytes]:
+    try:
+        with anyio.fail_after(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            async for ev in _guarded_iter(events):
+                yield envelope(msgspec.json.encode(ev))
+    except ConnectError as e:
+        yield end_stream(e)
+        return
+    except TimeoutError:
+        yield end_stream(ConnectError(Code.DEADLINE_EXCEEDED, "the call's deadline (Connect-Timeout-Ms) passed"))
+        return
+    yield end_stream()
+
+
+async def _guarded_iter(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for ev in events:
+            yield ev
+    except (DaemonError, HttpError) as e:
+        raise _rpc_error(e) from None
+    except DaemonUnavailableError as e:
+        raise ConnectError(Code.UNAVAILABLE, str(e)) from None
+
+
+async def _bounded_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_RPC_BODY_BYTES:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"request over {MAX_RPC_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# -- REST ---------------------------------------------------------------------------------------
+
+
+def _rest_user(request: Request) -> str | None:
+    return request.query_params.get("username") or None
+
+
+def _rest_error(e: DaemonError) -> HttpError:
+    if e.kind in ("env_not_found", "wrong_state"):
+        return HttpError(502, e.kind, f"The sandbox was not found or is not running: {e.detail}")
+    if e.kind == "file_not_found":
+        return HttpError(404, e.kind, e.detail)
+    if e.kind in ("file_error", "bad_request"):
+        return HttpError(400, e.kind, e.detail)
+    if e.kind == "too_large":
+        return HttpError(413, e.kind, e.detail)
+    return HttpError(e.status, e.kind, e.detail)
+
+
+async def health(request: Request) -> Response:
+    state, env_id = state_of(request), request.scope["weenv.env"]
+    try:
+        async with daemon_errors():
+            info = (await state.backend.for_env(env_id)._request("GET", f"/v1/envs/{env_id}")).json()
+    except HttpError as e:
+        if e.status == 404:
+            raise HttpError(502, "env_not_found", f"The sandbox {env_id} was not found") from None
+        raise
+    if info.get("status") != "running":
+        raise HttpError(502, "env_not_found", f"The sandbox {env_id} was not found (it is {info.get('status')})")
+    return Response(b"", 204)
+
+
+async def files_get(request: Request) -> Response:
+    path = request.query_params.get("path")
+    if not path:
+        raise HttpError(400, "bad_request", "path is required")
+    view = EnvView(state_of(request), request.scope["weenv.env"], _rest_user(request))
+    client = view.client
+    await client._ensure()
+    params = {"path": path, **({"user": view.user} if view.user else {})}
+    req = client._http.build_request("GET", f"/v1/envs/{view.env_id}/files", params=params, timeout=None)
+    resp = await client._http.send(req, stream=True)
+    if resp.status_code >= 400:
+        await resp.aread()
+        await resp.aclose()
+        try:
+            err = resp.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            err = {"kind": "error", "message": resp.text}
+        raise _rest_error(DaemonError(resp.status_code, err.get("kind", "error"), err.get("message", "")))
+    name = posixpath.basename(path)
+    return StreamingResponse(resp.aiter_raw(), 200, media_type="application/octet-stream",
+                             headers={"Content-Disposition": f'attachment; filename="{name}"'},
+                             background=BackgroundTask(resp.aclose))
+
+
+async def _put(view: EnvView, path: str, content: Any) -> dict[str, Any]:
+    params = {"path": path, **({"user": view.user} if view.user else {})}
+    try:
+        await view.client._request("PUT", f"/v1/envs/{view.env_id}/files", params=params, content=content,
+                                   timeout=None)
+    except DaemonError as e:
+        raise _rest_error(e) from None
+    return {"name": posixpath.basename(path), "type": "file", "path": path}
+
+
+async def files_post(request: Request) -> Response:
+    view = EnvView(state_of(request), request.scope["weenv.env"], _rest_user(request))
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    path = request.query_params.get("path")
+    if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+        raise HttpError(415, "bad_request", "Content-Encoding: weenv serve takes uploads uncompressed (no gzip)")
+    if ctype == "multipart/form-data":
+        written = []
+        async with request.form(max_files=1000, max_fields=1000) as form:
+            parts = [v for _, v in form.multi_items() if not isinstance(v, str)]
+            if not parts:
+                raise HttpError(400, "bad_request", "multipart upload without a file part")
+            for part in parts:
+                target = path if (path and len(parts) == 1) else part.filename
+                if not target:
+                    raise HttpError(400, "bad_request", "a file part without a filename (its path) and no ?path=")
+
+                async def chunks(p: Any = part) -> AsyncIterator[bytes]:
+                    while chunk := await p.read(1 << 16):
+                        yield chunk
+
+                written.append(await _put(view, target, chunks()))
+        return Response(msgspec.json.encode(written), 200, media_type="application/json")
+    if not path:
+        raise HttpError(400, "bad_request", "path is required for an octet-stream upload")
+    return Response(msgspec.json.encode([await _put(view, path, request.stream())]), 200,
+                    media_type="application/json")
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/files", files_get, methods=["GET"]),
+        Route("/files", files_post, methods=["POST"]),
+        Route("/{service:str}/{method:str}", rpc, methods=["POST"]),
+    ]
