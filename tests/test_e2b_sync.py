@@ -24,3 +24,136 @@ def test_create_get_info_kill(served: Served) -> None:
         assert sbx.kill() is True
     with pytest.raises(e2b.NotFoundException):
         e2b.Sandbox.get_info(sbx.sandbox_id)
+
+
+@pytest.fixture
+def sbx(served: Served):  # type: ignore[no-untyped-def]
+    s = e2b.Sandbox.create("bb", timeout=120)
+    yield s
+    s.kill()
+
+
+def test_files(sbx) -> None:  # type: ignore[no-untyped-def]
+    info = sbx.files.write("/tmp/w/a.txt", "hello")
+    assert info.path == "/tmp/w/a.txt"
+    assert sbx.files.read("/tmp/w/a.txt") == "hello"
+    assert bytes(sbx.files.read("/tmp/w/a.txt", format="bytes")) == b"hello"
+    sbx.files.write("/tmp/w/b.bin", b"\x00\x01" * 1000)
+    assert bytes(sbx.files.read("/tmp/w/b.bin", format="bytes")) == b"\x00\x01" * 1000
+    sbx.files.write_files([{"path": "/tmp/w/c1", "data": "1"}, {"path": "/tmp/w/c2", "data": b"2"}])
+    assert sbx.files.read("/tmp/w/c2") == "2"
+    names = sorted(e.name for e in sbx.files.list("/tmp/w"))
+    assert names == ["a.txt", "b.bin", "c1", "c2"]
+    assert sbx.files.make_dir("/tmp/w/d/e") is True
+    assert sbx.files.make_dir("/tmp/w/d/e") is False
+    deep = {e.path for e in sbx.files.list("/tmp/w", depth=2)}
+    assert "/tmp/w/d/e" in deep
+    assert sbx.files.exists("/tmp/w/a.txt")
+    assert not sbx.files.exists("/tmp/w/nope")
+    moved = sbx.files.rename("/tmp/w/a.txt", "/tmp/w/d/a2.txt")
+    assert moved.path == "/tmp/w/d/a2.txt" and moved.size == 5
+    assert not sbx.files.exists("/tmp/w/a.txt")
+    got = sbx.files.get_info("/tmp/w/d/a2.txt")
+    assert got.type == e2b.FileType.FILE and got.size == 5 and got.owner == "root"
+    assert got.permissions.startswith("-rw")
+    assert sbx.files.get_info("/tmp/w/d").type == e2b.FileType.DIR
+    sbx.files.remove("/tmp/w/d")
+    assert not sbx.files.exists("/tmp/w/d/a2.txt")
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.read("/tmp/w/nope")
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.get_info("/tmp/w/nope")
+
+
+def test_watch_dir_sees_a_write(sbx) -> None:  # type: ignore[no-untyped-def]
+    sbx.files.make_dir("/tmp/watched")
+    handle = sbx.files.watch_dir("/tmp/watched")
+    try:
+        sbx.files.write("/tmp/watched/new.txt", "x")
+        events = handle.get_new_events()
+        assert any(ev.name == "new.txt" and ev.type == e2b.FilesystemEventType.CREATE for ev in events), events
+        assert handle.get_new_events() == []
+        sbx.files.remove("/tmp/watched/new.txt")
+        assert any(ev.type == e2b.FilesystemEventType.REMOVE for ev in handle.get_new_events())
+    finally:
+        handle.stop()
+
+
+def test_set_timeout_and_metrics(sbx) -> None:  # type: ignore[no-untyped-def]
+    import datetime as dt
+
+    sbx.set_timeout(3600)
+    end = sbx.get_info().end_at
+    left = (end - dt.datetime.now(dt.timezone.utc)).total_seconds()
+    assert 3500 < left <= 3600
+    metrics = sbx.get_metrics()
+    assert len(metrics) == 1 and metrics[0].cpu_count >= 1
+
+
+def test_pause_connect_keeps_state(sbx) -> None:  # type: ignore[no-untyped-def]
+    sbx.files.write("/tmp/state", "kept")
+    assert sbx.pause() is True
+    assert e2b.Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+    again = e2b.Sandbox.connect(sbx.sandbox_id)
+    assert again.get_info().state.value == "running"
+    assert again.files.read("/tmp/state") == "kept"
+
+
+def test_fork_and_snapshot(sbx) -> None:  # type: ignore[no-untyped-def]
+    sbx.files.write("/tmp/marker", "parent")
+    children = sbx.fork(count=2)
+    try:
+        assert len(children) == 2
+        for child in children:
+            assert not isinstance(child, Exception), child
+            assert child.files.read("/tmp/marker") == "parent"
+            child.files.write("/tmp/marker", child.sandbox_id)
+        assert sbx.files.read("/tmp/marker") == "parent"
+    finally:
+        for child in children:
+            if not isinstance(child, Exception):
+                child.kill()
+    snap = sbx.create_snapshot()
+    assert snap.snapshot_id.startswith("snap-")
+    listed = [s.snapshot_id for s in e2b.Sandbox.list_snapshots().next_items()]
+    assert snap.snapshot_id in listed
+    from_snap = e2b.Sandbox.create(snap.snapshot_id, timeout=60)
+    try:
+        assert from_snap.files.read("/tmp/marker") == "parent"
+    finally:
+        from_snap.kill()
+    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False
+
+
+def test_list_with_metadata_filter(served: Served) -> None:
+    a = e2b.Sandbox.create("bb", metadata={"job": "a"}, timeout=60)
+    b = e2b.Sandbox.create("bb", metadata={"job": "b"}, timeout=60)
+    try:
+        found = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"job": "b"})).next_items()
+        assert [s.sandbox_id for s in found] == [b.sandbox_id]
+        everything = {s.sandbox_id for s in e2b.Sandbox.list().next_items()}
+        assert {a.sandbox_id, b.sandbox_id} <= everything
+        page = e2b.Sandbox.list(limit=1)
+        first = page.next_items()
+        assert len(first) == 1 and page.has_next
+        assert len(page.next_items()) == 1
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_unknown_template_is_not_found(served: Served) -> None:
+    with pytest.raises(e2b.SandboxException) as err:
+        e2b.Sandbox.create("no-such-template")
+    assert "404" in str(err.value) and "no-such-template" in str(err.value)
+
+
+def test_commands_run_foreground(sbx) -> None:  # type: ignore[no-untyped-def]
+    out = sbx.commands.run("echo hi; echo err >&2", envs={"X": "y"})
+    assert out.exit_code == 0 and out.stdout == "hi\n" and out.stderr == "err\n"
+    assert sbx.commands.run("echo $X", envs={"X": "y"}).stdout == "y\n"
+    assert sbx.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    with pytest.raises(e2b.CommandExitException) as err:
+        sbx.commands.run("echo out; exit 3")
+    assert err.value.exit_code == 3 and err.value.stdout == "out\n"

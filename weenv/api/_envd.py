@@ -315,6 +315,16 @@ async def fs_watch_dir(view: EnvView, req: dict[str, Any], keepalive_s: float) -
             last_sent = time.monotonic()
 
 
+async def _exists(view: EnvView, path: str) -> bool:
+    try:
+        await view.stat(path)
+    except DaemonError as e:
+        if e.kind == "file_not_found":
+            return False
+        raise
+    return True
+
+
 # -- process.Process (foreground Start on the daemon's streamed exec) ---------------------------
 
 
@@ -328,6 +338,8 @@ async def proc_start(view: EnvView, req: dict[str, Any], keepalive_s: float) -> 
     if req.get("pty"):
         raise ConnectError(Code.UNIMPLEMENTED, "pty: weenv serve does not run commands on a pty yet")
     argv = [str(proc["cmd"]), *[str(a) for a in (proc.get("args") or [])]]
+    if argv[0] == "/bin/bash" and not await _exists(view, "/bin/bash"):
+        argv[0] = "/bin/sh"  # the SDK runs every command with `/bin/bash -l -c`; small images have only sh
     body: dict[str, Any] = {"argv": argv, "stream": True}
     if proc.get("envs"):
         body["env"] = {str(k): str(v) for k, v in proc["envs"].items()}
