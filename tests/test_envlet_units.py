@@ -13,6 +13,9 @@ import trio
 
 from weenv import layerfmt
 from weenv.envlet import DiskCache, FetchError, Fetcher, LayerSource, LayerTree, MemoryCache, Metrics
+from weenv.envlet._tier_disk import DiskTier
+from weenv.envlet._tier_memory import MemoryTier
+from weenv.envlet._tier_registry import RegistryTier
 from weenv.layerfmt import BytesReader, Layer
 
 from .layertrees import d, f, hard, make_tar, sym
@@ -237,7 +240,9 @@ class FakeStoreReader:
 
 def fetcher_setup(tmp_path, blob: bytes, **kw):
     m = Metrics()
-    fetcher = Fetcher(MemoryCache(64 << 20, m), DiskCache(str(tmp_path / "l2"), 64 << 20, m), m, **kw)
+    fetcher = Fetcher([MemoryTier(MemoryCache(64 << 20, m)), DiskTier(DiskCache(str(tmp_path / "l2"), 64 << 20, m)),
+                       RegistryTier(m)], m, **kw)
+    fetcher.l1, fetcher.l2 = fetcher.tier("memory").cache, fetcher.tier("disk").cache  # what the tests look into
     reader = FakeStoreReader(blob)
     return fetcher, reader, LayerSource("test", reader), m
 

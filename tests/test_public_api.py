@@ -44,9 +44,10 @@ PUBLIC_API: dict[str, list[str]] = {
         "parse_groups_spec", "parse_ref", "publish", "publish_layer_file", "pull", "resolve_group",
     ],
     "weenv.envlet": [
-        "ChunkIntegrityError", "ControlError", "DiskCache", "EnvletClient", "EnvletError", "EnvletProcess",
-        "EnvletUnavailableError", "FetchError", "Fetcher", "LayerInfo", "LayerNotFoundError", "LayerSource",
-        "LayerTree", "MemoryCache", "Metrics", "StoreSpec", "clear_stale_mount", "serve",
+        "ChunkIntegrityError", "ChunkTier", "ControlError", "DiskCache", "EnvletClient", "EnvletError",
+        "EnvletProcess", "EnvletUnavailableError", "FetchError", "Fetcher", "LayerInfo", "LayerNotFoundError",
+        "LayerSource", "LayerTree", "MemoryCache", "Metrics", "StoreSpec", "TierConfig", "TierConfigError",
+        "clear_stale_mount", "load_tiers", "serve",
     ],
     "weenv.plan": [
         "CpuRange", "DEFAULT_CPU_MAX_CORES", "DEFAULT_CPU_MIN_CORES", "DEFAULT_DISK_BYTES",
@@ -83,7 +84,8 @@ PUBLIC_API: dict[str, list[str]] = {
     ],
     "weenv.testing": [
         "BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "EgressDaemon",
-        "FakeBackend", "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore", "Fault",
+        "FakeBackend", "FakeCgroup", "FakeChunkTier", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore",
+        "Fault",
         "FixtureCacheError", "HostUnsupported", "LegacySample", "OUTSIDE_A", "OUTSIDE_B", "OUTSIDE_BIG_BYTES",
         "OUTSIDE_HOST", "OUTSIDE_NAMES", "OUTSIDE_OTHER_PORT", "OUTSIDE_PORT", "Outside", "PROBE_SOURCE",
         "Proxy", "ProxyLog", "RegistryProcess", "Reply", "Sample", "attempts", "busybox_plan", "busybox_tree",
@@ -160,7 +162,7 @@ def test_fakes_live_only_in_weenv_testing() -> None:
                          (weenv.provision.cgroups, "FakeBackend"), (weenv.provision.cgroups, "FakeCgroup")):
         assert not hasattr(module, fake), f"{module.__name__}.{fake} is back in production code"
     assert [n for n in PUBLIC_API["weenv.testing"] if n.startswith("Fake")] == [
-        "FakeBackend", "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore"]
+        "FakeBackend", "FakeCgroup", "FakeChunkTier", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore"]
 
 
 def test_production_code_does_not_import_the_test_harness() -> None:

@@ -30,16 +30,23 @@ def envlet() -> None:
 @click.option("--neighbors", "neighbor_bytes", type=SIZE, default="64KiB", show_default=True,
               help="Compressed bytes of the small files that follow a cold read in the blob, fetched along (0 disables).")
 @click.option("--metrics-port", type=int, default=None, help="Serve prometheus metrics on this port.")
+@click.option("--tiers", default="memory,disk,registry", show_default=True,
+              help="Chunk tiers asked in this order (each is weenv/envlet/_tier_<name>.py).")
 @click.option("--debug", is_flag=True, help="Verbose logs, FUSE debug output.")
 def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_size: int, control_socket: str,
               state_file: str | None, deadline_s: float, readahead_bytes: int, neighbor_bytes: int,
-              metrics_port: int | None, debug: bool) -> None:
+              metrics_port: int | None, tiers: str, debug: bool) -> None:
     """Mount the envlet and serve until SIGTERM."""
     from ..envlet import serve
+    from ..envlet._tier import TierConfigError, parse_tiers
 
+    try:
+        parse_tiers(tiers)
+    except TierConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--tiers") from None
     serve(mountpoint, cache_dir, cache_size_bytes=cache_size, memory_cache_size_bytes=memory_cache_size,
           control_socket=control_socket, state_file=state_file, deadline_s=deadline_s, metrics_port=metrics_port,
-          readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, debug=debug)
+          readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, tiers=tiers, debug=debug)
 
 
 @envlet.command("ls")

@@ -1,4 +1,4 @@
-"""The envlet: a FUSE daemon that serves registered layers lazily through a three-tier chunk cache."""
+"""The envlet: a FUSE daemon serving registered layers lazily through ordered chunk tiers (memory, disk, registry)."""
 
 from ._cache import DiskCache as DiskCache
 from ._cache import MemoryCache as MemoryCache
@@ -16,9 +16,14 @@ from ._fetch import LayerSource as LayerSource
 from ._metrics import Metrics as Metrics
 from ._process import EnvletProcess as EnvletProcess
 from ._server import clear_stale_mount as clear_stale_mount
+from ._tier import ChunkTier as ChunkTier
+from ._tier import TierConfig as TierConfig
+from ._tier import TierConfigError as TierConfigError
+from ._tier import load_tiers as load_tiers
 from ._server import serve as serve
 from ._tree import LayerTree as LayerTree
 
-__all__ = ["ChunkIntegrityError", "ControlError", "DiskCache", "EnvletClient", "EnvletError", "EnvletProcess",
-           "EnvletUnavailableError", "FetchError", "Fetcher", "LayerInfo", "LayerNotFoundError", "LayerSource",
-           "LayerTree", "MemoryCache", "Metrics", "StoreSpec", "clear_stale_mount", "serve"]
+__all__ = ["ChunkIntegrityError", "ChunkTier", "ControlError", "DiskCache", "EnvletClient", "EnvletError",
+           "EnvletProcess", "EnvletUnavailableError", "FetchError", "Fetcher", "LayerInfo", "LayerNotFoundError",
+           "LayerSource", "LayerTree", "MemoryCache", "Metrics", "StoreSpec", "TierConfig", "TierConfigError",
+           "clear_stale_mount", "load_tiers", "serve"]

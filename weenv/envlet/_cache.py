@@ -55,6 +55,16 @@ class MemoryCache:
         if evicted:
             self._metrics.inc("l1_evictions", evicted)
 
+    def discard(self, digest: bytes) -> None:
+        with self._lock:
+            old = self._items.pop(digest, None)
+            if old is not None:
+                self.size_bytes -= len(old)
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._metrics
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
@@ -205,6 +215,11 @@ class DiskCache:
         self._metrics.inc("l2_hits")
         self._metrics.inc("l2_bytes_read", len(data))
         return data
+
+    def discard(self, digest: bytes) -> None:
+        """Forget a chunk (its bytes stay counted until its pack is evicted); it is fetched again."""
+        with self._lock:
+            self._index.pop(digest, None)
 
     def put(self, digest: bytes, data: bytes) -> None:
         """Store a verified chunk; evict least recently used packs beyond the bound."""

@@ -1,11 +1,18 @@
-"""Getting verified chunk bytes: L1 memory → L2 node disk → L3 store range reads.
+"""Getting verified chunk bytes from the chunk tiers, in their configured order (:mod:`._tier`).
 
-Rules this module keeps:
+    memory (L1) ─► disk (L2) ─► registry (L3)          the default; ``--tiers`` changes it
+
+Rules this module keeps, whatever the tiers:
 - one fetch in flight per chunk: a second reader of a chunk being fetched waits for that fetch
   (with the same deadline) instead of fetching again;
-- adjacent missing chunks of one read, plus read-ahead within the file, go out as one range read;
-- every chunk is verified (frame size, length, sha256) before it is cached or served, whether it
-  comes from the store or from L2 (:func:`weenv.layerfmt.verify_chunk`);
+- adjacent missing chunks of one read, plus read-ahead within the file, are asked of a tier
+  together; a range-reading tier (``merge_gap_bytes`` set: the registry) gets them as runs of
+  neighbours, one range request each;
+- no chunk is cached or served unverified: a tier either checks its bytes with
+  :func:`weenv.layerfmt.verify_chunk` itself (``verified``) or the fetcher does, in the worker
+  thread that got them; a chunk that fails is counted, discarded from that tier and asked of the
+  next one; a chunk found in tier *k* is written back to tiers ``0..k-1``;
+- a tier that fails is a miss for its chunks (counted), except the last, whose error fails the read;
 - decompression, hashing and disk I/O run in worker threads, never on the trio loop;
 - a failing store becomes :class:`FetchError` within ``deadline_s``, never a hang; and a read of a
   chunk whose fetch failed less than ``failure_memory_s`` ago fails at once with that error (the
@@ -17,22 +24,22 @@ Rules this module keeps:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import trio
 
-from ..layerfmt import Chunk, LayerError, RandomAccessReader, decompress_chunk, verify_chunk
-from ._cache import DiskCache, MemoryCache
+from ..layerfmt import Chunk, IntegrityError, LayerError, RandomAccessReader, verify_chunk
 from ._errors import ChunkIntegrityError, FetchError
 from ._metrics import Metrics
+from ._tier import ChunkTier
 
 log = logging.getLogger("weenv.envlet")
 # How long a chunk whose fetch failed (store unreachable, deadline) fails again at once. It covers
 # the kernel's retry of a failed read-ahead (same read() call, milliseconds later), short enough
 # that a store back up is used by the next read a person or program makes.
 FAILURE_MEMORY_S = 1.0
+_Answer = bytes | LayerError | BaseException | None
 
 
 @dataclass
@@ -50,35 +57,58 @@ class _InFlight:
     error: BaseException | None = None
 
 
+@dataclass
+class TierStats:
+    """What one tier did for the fetcher (``stats()["tiers"]``)."""
+
+    hits: int = 0  # chunks it answered with good bytes
+    hit_bytes: int = 0
+    misses: int = 0  # chunks asked (or skipped: has() said no) that it did not hold
+    rejected: int = 0  # chunks whose bytes failed verification (then asked of the next tier)
+    errors: int = 0  # calls that raised (their chunks asked of the next tier)
+
+
 class Fetcher:
     def __init__(
         self,
-        l1: MemoryCache,
-        l2: DiskCache,
+        tiers: Sequence[ChunkTier],
         metrics: Metrics,
         *,
         deadline_s: float = 30.0,
-        max_concurrent_fetches: int = 8,
-        merge_gap_bytes: int = 16 << 10,
-        max_run_bytes: int = 8 << 20,
         failure_memory_s: float = FAILURE_MEMORY_S,
     ):
-        self.l1, self.l2, self.metrics = l1, l2, metrics
+        self.tiers = list(tiers)
+        if not self.tiers:
+            raise ValueError("the fetcher needs one or more chunk tiers")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"chunk tier names must differ: {names}")
+        self.metrics = metrics
+        # leading tiers answered on the loop (memory): looked up before any claim is made
+        self._fast = 0
+        while self._fast < len(self.tiers) and not self.tiers[self._fast].blocking and self.tiers[self._fast].verified:
+            self._fast += 1
+        self._limiters = {i: trio.CapacityLimiter(t.max_concurrency) for i, t in enumerate(self.tiers)
+                          if t.max_concurrency}
+        self.tier_stats = {t.name: TierStats() for t in self.tiers}
         self.deadline_s = deadline_s
         self.failure_memory_s = failure_memory_s
         self._failures: dict[bytes, tuple[float, FetchError]] = {}  # digest -> (trio time, error)
-        self.merge_gap_bytes = merge_gap_bytes
-        self.max_run_bytes = max_run_bytes
         self._inflight: dict[bytes, _InFlight] = {}
-        self._fetch_limiter = trio.CapacityLimiter(max_concurrent_fetches)
         self._foreground = 0
         self._foreground_idle = trio.Event()
         self._foreground_idle.set()
         self._nursery: trio.Nursery | None = None
 
     def attach(self, nursery: trio.Nursery) -> None:
-        """Give the fetcher a nursery for background work (L2 write-back, async read-ahead, prefetch)."""
+        """Give the fetcher a nursery for background work (write-back, async read-ahead, prefetch)."""
         self._nursery = nursery
+
+    def tier(self, name: str) -> ChunkTier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no chunk tier named {name!r} (tiers: {', '.join(t.name for t in self.tiers)})")
 
     # ----------------------------------------------------------------- foreground
 
@@ -91,23 +121,30 @@ class Fetcher:
         same directory) only ride along with a remote fetch, which saves round trips at a small cost.
         """
         results: list[bytes | None] = [None] * len(chunks)
-        missing = []
-        for i, c in enumerate(chunks):
-            data = self.l1.get(c.digest)
-            if data is None:
-                missing.append(i)
-            else:
-                results[i] = data
-        m = self.metrics
-        if len(missing) != len(chunks):
-            hit_bytes = sum(len(results[i] or b"") for i in range(len(chunks)) if i not in missing)
-            m.inc("l1_hits", len(chunks) - len(missing))
-            m.inc("l1_bytes", hit_bytes)
+        missing = list(range(len(chunks)))
+        for k in range(self._fast):
+            tier = self.tiers[k]
+            got = tier.get(src, [chunks[i] for i in missing])
+            still = []
+            st = self.tier_stats[tier.name]
+            for i, data in zip(missing, got):
+                if isinstance(data, bytes):
+                    results[i] = data
+                    st.hits += 1
+                    st.hit_bytes += len(data)
+                    for earlier in self.tiers[:k]:
+                        earlier.put([(chunks[i], data)])
+                else:
+                    still.append(i)
+            st.misses += len(still)
+            missing = still
+            if not missing:
+                break
         if not missing:
             if readahead:
                 self._readahead_async(src, readahead, path)
             return results  # type: ignore[return-value]
-        m.inc("l1_misses", len(missing))
+        m = self.metrics
         self._fail_fast(chunks, missing)
         self._foreground += 1
         self._foreground_idle = trio.Event() if self._foreground_idle.is_set() else self._foreground_idle
@@ -179,11 +216,14 @@ class Fetcher:
         if len(self._failures) > 10_000:  # bounded: forget what is past its memory
             self._failures = {d: v for d, v in self._failures.items() if now - v[0] < self.failure_memory_s}
         for i in missing:
-            if chunks[i].digest not in self.l1:
+            if not self._held_fast(chunks[i]):
                 self._failures[chunks[i].digest] = (now, err)
 
+    def _held_fast(self, c: Chunk) -> bool:
+        return any(t.has(c) for t in self.tiers[: self._fast])
+
     def _claimable(self, c: Chunk) -> bool:
-        return c.digest not in self._inflight and c.digest not in self.l1 and c.digest not in self.l2
+        return c.digest not in self._inflight and not any(t.has(c) for t in self.tiers)
 
     def _release(self, digest: bytes) -> None:
         fl = self._inflight.pop(digest, None)
@@ -207,21 +247,9 @@ class Fetcher:
         """Resolve every claimed chunk (data or error); never leaves a claim unresolved."""
         all_claims = claimed + extra
         try:
-            l2 = self.l2
-            found = await trio.to_thread.run_sync(lambda: [l2.get(c.digest, c.ulength) for c in claimed])
-            remote: list[Chunk] = []
-            for c, data in zip(claimed, found):
-                if data is None:
-                    remote.append(c)
-                else:
-                    self._resolve(c.digest, data)
             if extra:
                 self.metrics.inc("readahead_chunks", len(extra))
-            remote += extra
-            if remote:
-                async with trio.open_nursery() as n:
-                    for run in self._runs(remote):
-                        n.start_soon(self._fetch_run, src, run, path, background)
+            await self._walk(src, all_claims, path, background)
         except BaseException as e:  # cancelled (deadline) or a thread died: fail every open claim
             err = FetchError(f"layer {src.name}: {path}: {type(e).__name__} while fetching")
             for c in all_claims:
@@ -234,72 +262,134 @@ class Fetcher:
             for c in extra:  # read-ahead claims have no reader of their own
                 self._release(c.digest)
 
-    def _runs(self, chunks: list[Chunk]) -> list[list[Chunk]]:
-        """Group chunks into blob ranges: neighbours closer than merge_gap_bytes share one request."""
+    async def _walk(self, src: LayerSource, chunks: list[Chunk], path: str, background: bool) -> None:
+        """Ask the tiers after the fast ones, in order, for claimed ``chunks``; resolve or fail each claim.
+
+        Raises only on cancellation.
+        """
+        pending = chunks
+        errors: dict[bytes, BaseException] = {}
+        m = self.metrics
+        for idx in range(self._fast, len(self.tiers)):
+            if not pending:
+                break
+            tier = self.tiers[idx]
+            st = self.tier_stats[tier.name]
+            ask = [c for c in pending if tier.has(c) is not False]
+            st.misses += len(pending) - len(ask)
+            if not ask:
+                continue
+            answers: dict[bytes, _Answer] = {}
+            batches = self._batches(tier, ask)
+            if len(batches) == 1:
+                await self._ask(idx, src, batches[0], path, answers, background)
+            else:
+                async with trio.open_nursery() as n:
+                    for batch in batches:
+                        n.start_soon(self._ask, idx, src, batch, path, answers, background)
+            still: list[Chunk] = []
+            good: list[tuple[Chunk, bytes]] = []
+            for c in pending:
+                a = answers.get(c.digest)
+                if isinstance(a, bytes):
+                    st.hits += 1
+                    st.hit_bytes += len(a)
+                    self._resolve(c, a, idx)
+                    good.append((c, a))
+                    continue
+                still.append(c)
+                if isinstance(a, LayerError):
+                    st.rejected += 1
+                    m.inc("verify_failures")
+                    log.error("layer %s: %s: chunk at %d from the %s tier failed verification: %s",
+                              src.name, path, c.offset, tier.name, a)
+                    errors[c.digest] = ChunkIntegrityError(f"layer {src.name}: {path}: {tier.name} tier: {a}")
+                    try:
+                        tier.discard(c)
+                    except Exception as e:  # a tier that cannot forget still never serves: we verify
+                        log.warning("%s tier: discard failed: %s", tier.name, e)
+                elif isinstance(a, BaseException):
+                    errors[c.digest] = FetchError(f"layer {src.name}: {path}: {tier.name} read failed: {a}")
+                elif c.digest in answers:
+                    st.misses += 1
+            if good:
+                self._write_back(idx, good)
+            pending = still
+        for c in pending:
+            self._fail(c.digest, errors.get(c.digest) or FetchError(
+                f"layer {src.name}: {path}: no tier holds the chunk at blob offset {c.offset} "
+                f"(asked {', '.join(t.name for t in self.tiers[self._fast:])})"))
+
+    def _batches(self, tier: ChunkTier, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """One call for all, or runs of blob neighbours for a range-reading tier (one request a run)."""
+        gap, max_run = tier.merge_gap_bytes, tier.max_run_bytes
+        if gap is None:
+            return [chunks]
         runs: list[list[Chunk]] = []
         for c in sorted(chunks, key=lambda c: c.offset):
             if runs:
                 last = runs[-1][-1]
-                gap = c.offset - (last.offset + last.length)
-                if 0 <= gap <= self.merge_gap_bytes and c.offset + c.length - runs[-1][0].offset <= self.max_run_bytes:
+                d = c.offset - (last.offset + last.length)
+                if 0 <= d <= gap and (max_run is None or c.offset + c.length - runs[-1][0].offset <= max_run):
                     runs[-1].append(c)
                     continue
             runs.append([c])
         return runs
 
-    async def _fetch_run(self, src: LayerSource, run: list[Chunk], path: str, background: bool) -> None:
-        """Fetch one blob range and resolve each of its chunks (errors included: never raises but Cancelled)."""
-        start = run[0].offset
-        length = run[-1].offset + run[-1].length - start
-        m = self.metrics
+    async def _ask(self, idx: int, src: LayerSource, batch: list[Chunk], path: str,
+                   answers: dict[bytes, _Answer], background: bool) -> None:
+        """One call of a tier's get (in a worker thread when it blocks); never raises but Cancelled."""
+        tier = self.tiers[idx]
+        check = not tier.verified
+
+        def call() -> list[_Answer]:
+            got: list[_Answer] = list(tier.get(src, batch))
+            if len(got) != len(batch):
+                raise FetchError(f"{tier.name} tier answered {len(got)} items for {len(batch)} chunks")
+            if check:
+                for k, (c, data) in enumerate(zip(batch, got)):
+                    if data is not None and not isinstance(data, LayerError):
+                        try:
+                            if not isinstance(data, (bytes, bytearray, memoryview)):
+                                raise IntegrityError(f"the tier answered a {type(data).__name__}, not bytes")
+                            if len(data) != c.ulength:
+                                raise IntegrityError(f"{len(data)} bytes, the TOC says {c.ulength}",
+                                                     path=path, offset=c.offset)
+                            verify_chunk(data, c.digest, path=path, offset=c.offset)
+                            got[k] = bytes(data)
+                        except LayerError as e:
+                            got[k] = e
+            return got
+
         try:
-            async with self._fetch_limiter:
-                t0 = time.monotonic()
-                m.inc("remote_fetches")
-                blob = await trio.to_thread.run_sync(src.reader.read_at, start, length, abandon_on_cancel=True)
-                m.observe_fetch(time.monotonic() - t0)
-            if len(blob) != length:
-                raise FetchError(f"short read from the store ({len(blob)} of {length} bytes)")
-        except Exception as e:
-            m.inc("remote_errors")
-            log.warning("layer %s: %s: range %d+%d failed: %s", src.name, path, start, length, e)
-            err = FetchError(f"layer {src.name}: {path}: store read failed: {e}")
-            for c in run:
-                self._fail(c.digest, err)
-            return
-        m.inc("remote_bytes", length)
-        m.inc("remote_chunks", len(run))
-        if background:
-            m.inc("prefetch_bytes", length)
-
-        def decode_all() -> list[bytes | BaseException]:
-            out: list[bytes | BaseException] = []
-            for c in run:
-                try:
-                    data = decompress_chunk(c, blob[c.offset - start : c.offset - start + c.length], path=path)
-                    verify_chunk(data, c.digest, path=path, offset=c.offset)  # store bytes are outside bytes
-                    out.append(data)
-                except LayerError as e:
-                    out.append(e)
-            return out
-
-        decoded = await trio.to_thread.run_sync(decode_all)
-        good: list[tuple[bytes, bytes]] = []
-        for c, data in zip(run, decoded):
-            if isinstance(data, BaseException):
-                m.inc("verify_failures")
-                log.error("layer %s: %s: chunk at %d failed verification: %s", src.name, path, c.offset, data)
-                self._fail(c.digest, ChunkIntegrityError(f"layer {src.name}: {path}: {data}"))
+            if not tier.blocking:
+                got = call()
             else:
-                self._resolve(c.digest, data)
-                good.append((c.digest, data))
-        if good:
-            self._write_back(good)
+                limiter = self._limiters.get(idx)
+                if limiter is None:
+                    got = await trio.to_thread.run_sync(call, abandon_on_cancel=True)
+                else:
+                    async with limiter:
+                        got = await trio.to_thread.run_sync(call, abandon_on_cancel=True)
+        except Exception as e:
+            self.tier_stats[tier.name].errors += 1
+            log.warning("layer %s: %s: %s tier failed for %d chunks at %d: %s", src.name, path, tier.name,
+                        len(batch), batch[0].offset, e)
+            for c in batch:
+                answers[c.digest] = e
+            return
+        for c, data in zip(batch, got):
+            answers[c.digest] = data
+        if background and tier.has(batch[0]) is None:  # fetched from off the node
+            span = (batch[-1].offset + batch[-1].length - batch[0].offset if tier.merge_gap_bytes is not None
+                    else sum(c.length for c in batch))
+            self.metrics.inc("prefetch_bytes", span)
 
-    def _resolve(self, digest: bytes, data: bytes) -> None:
-        self._failures.pop(digest, None)
-        self.l1.put(digest, data)
-        fl = self._inflight.get(digest)
+    def _resolve(self, c: Chunk, data: bytes, idx: int) -> None:
+        self._failures.pop(c.digest, None)
+        for t in self.tiers[: min(idx, self._fast)]:
+            t.put([(c, data)])
+        fl = self._inflight.get(c.digest)
         if fl is not None and not fl.event.is_set():
             fl.data = data
             fl.event.set()
@@ -310,12 +400,18 @@ class Fetcher:
             fl.error = err
             fl.event.set()
 
-    def _write_back(self, items: list[tuple[bytes, bytes]]) -> None:
-        l2 = self.l2
+    def _write_back(self, idx: int, items: list[tuple[Chunk, bytes]]) -> None:
+        """Verified chunks found in tier ``idx`` go to the blocking tiers before it (in the background)."""
+        targets = [t for t in self.tiers[self._fast : idx]]
+        if not targets:
+            return
 
         def write() -> None:
-            for digest, data in items:
-                l2.put(digest, data)
+            for t in targets:
+                try:
+                    t.put(items)
+                except Exception as e:  # a cache that cannot store degrades to fetching again
+                    log.warning("%s tier: storing %d chunks failed: %s", t.name, len(items), e)
 
         if self._nursery is None:
             write()
@@ -325,34 +421,33 @@ class Fetcher:
     # ----------------------------------------------------------------- background
 
     def _readahead_async(self, src: LayerSource, chunks: Sequence[Chunk], path: str) -> None:
-        """Start loading the chunks after a read: from L2 into L1, or from the store, without waiting."""
+        """Start loading the chunks after a read: from a node tier into memory, or fetched, without waiting."""
         if self._nursery is None:
             return
         local, remote = [], []
         for c in chunks:
-            if c.digest in self._inflight or c.digest in self.l1:
+            if c.digest in self._inflight or self._held_fast(c):
                 continue
-            (local if c.digest in self.l2 else remote).append(c)
+            (local if any(t.has(c) for t in self.tiers[self._fast :]) else remote).append(c)
             self._inflight[c.digest] = _InFlight()
         if local:
-            self._nursery.start_soon(self._background_l2, local)
+            self._nursery.start_soon(self._background_local, src, local, path)
         if remote:
             self._nursery.start_soon(self._background_load, src, remote, path)
 
-    async def _background_l2(self, chunks: list[Chunk]) -> None:
-        """Load chunks from L2 into L1 in parallel: separate chunk files read one by one are latency-bound."""
+    async def _background_local(self, src: LayerSource, chunks: list[Chunk], path: str) -> None:
+        """Load chunks held on the node in parallel: chunks read one by one are latency-bound."""
 
         async def one(c: Chunk) -> None:
             try:
-                data = await trio.to_thread.run_sync(self.l2.get, c.digest, c.ulength)
-                if data is not None:
-                    self._resolve(c.digest, data)
+                await self._walk(src, [c], path, True)
             finally:
                 self._release(c.digest)
 
-        async with trio.open_nursery() as n:
-            for c in chunks:
-                n.start_soon(one, c)
+        with trio.move_on_after(self.deadline_s):
+            async with trio.open_nursery() as n:
+                for c in chunks:
+                    n.start_soon(one, c)
 
     async def _background_load(self, src: LayerSource, chunks: list[Chunk], path: str) -> None:
         try:

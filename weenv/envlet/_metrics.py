@@ -25,7 +25,7 @@ COUNTERS = (
     ("readahead_chunks", "chunks fetched ahead of a read"),
     ("prefetch_bytes", "bytes fetched by background prefetch"),
     ("coalesced_waits", "reads that waited for another read's fetch of the same chunk"),
-    ("verify_failures", "chunks that failed sha256 or decompression checks"),
+    ("verify_failures", "chunks from any tier that failed sha256 or decompression checks (asked of the next tier)"),
     ("failed_fast", "reads of a chunk whose fetch had just failed, failed again at once"),
     ("read_errors", "FUSE reads answered with EIO"),
     ("fuse_reads", "FUSE read requests"),

@@ -9,6 +9,7 @@ same layers back under the same names.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,6 @@ import trio
 from .. import layerfmt
 from .._unixsock import bind_unix
 from ..layerfmt import RandomAccessReader
-from ._cache import DiskCache, MemoryCache
 from ._control import (
     MAX_MESSAGE_BYTES,
     Extract,
@@ -48,6 +49,7 @@ from ._control import (
 )
 from ._extract import extract_layer
 from ._fetch import Fetcher, LayerSource
+from ._tier import DEFAULT_TIERS, TierConfig, load_tiers
 from ._fs import EnvletFS
 from ._metrics import Metrics, start_prometheus
 from ._tree import LayerTree
@@ -126,7 +128,8 @@ class Envlet:
 
     def __init__(self, mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
                  control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
-                 readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10, max_concurrent_fetches: int = 8):
+                 readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10, max_concurrent_fetches: int = 8,
+                 tiers: str | Sequence[str] = DEFAULT_TIERS, tier_options: dict[str, str] | None = None):
         self.mountpoint = os.path.abspath(mountpoint)
         self.cache_dir = os.path.abspath(cache_dir)
         self.control_socket = control_socket
@@ -134,11 +137,14 @@ class Envlet:
         self.readahead_bytes = readahead_bytes
         self.neighbor_bytes = neighbor_bytes
         self.metrics = Metrics()
-        self.l1 = MemoryCache(memory_cache_size_bytes, self.metrics)
-        self.l2 = DiskCache(os.path.join(self.cache_dir, "l2"), cache_size_bytes, self.metrics)
         self.deadline_s = deadline_s
-        self.fetcher = Fetcher(self.l1, self.l2, self.metrics, deadline_s=deadline_s,
-                               max_concurrent_fetches=max_concurrent_fetches)
+        config = TierConfig(self.metrics, cache_dir=self.cache_dir, cache_size_bytes=cache_size_bytes,
+                            memory_cache_size_bytes=memory_cache_size_bytes,
+                            max_concurrent_fetches=max_concurrent_fetches, options=dict(tier_options or {}))
+        self.fetcher = Fetcher(load_tiers(tiers, config), self.metrics, deadline_s=deadline_s)
+        # the caches behind the memory and disk tiers, when configured (stats, prune)
+        self.l1 = getattr(self._tier("memory"), "cache", None)
+        self.l2 = getattr(self._tier("disk"), "cache", None)
         self.by_name: dict[str, MountedLayer] = {}
         self.by_slot: dict[int, MountedLayer] = {}
         self.next_slot = 1
@@ -149,6 +155,12 @@ class Envlet:
         self._stores_lock = threading.Lock()
         self._register_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
+
+    def _tier(self, name: str) -> Any:
+        try:
+            return self.fetcher.tier(name)
+        except KeyError:
+            return None
 
     # ------------------------------------------------------------------ stores
 
@@ -310,12 +322,14 @@ class Envlet:
     # ------------------------------------------------------------------ control socket
 
     def stats(self) -> dict:
+        l1, l2 = self.l1, self.l2
         return {
             **self.metrics.snapshot(),
-            "l1_size_bytes": self.l1.size_bytes, "l1_capacity_bytes": self.l1.capacity_bytes,
-            "l2_size_bytes": self.l2.size_bytes, "l2_capacity_bytes": self.l2.capacity_bytes,
-            "l2_files": self.l2.files, "layers": len(self.by_name),
+            "l1_size_bytes": l1.size_bytes if l1 else 0, "l1_capacity_bytes": l1.capacity_bytes if l1 else 0,
+            "l2_size_bytes": l2.size_bytes if l2 else 0, "l2_capacity_bytes": l2.capacity_bytes if l2 else 0,
+            "l2_files": l2.files if l2 else 0, "layers": len(self.by_name),
             "inflight_chunks": len(self.fetcher._inflight),
+            "tiers": {name: dataclasses.asdict(st) for name, st in self.fetcher.tier_stats.items()},
         }
 
     async def handle(self, req: Any) -> Reply:
@@ -349,9 +363,11 @@ class Envlet:
                     lambda chunks: self.fetcher.prefetch(m.source, chunks), req.dest)
                 return Reply(True, counts)
             if isinstance(req, Prune):
-                files, freed = await trio.to_thread.run_sync(self.l2.prune, req.to_bytes)
-                self.l1.clear()
-                return Reply(True, {"files": files, "bytes": freed, "l2_size_bytes": self.l2.size_bytes})
+                files, freed = (await trio.to_thread.run_sync(self.l2.prune, req.to_bytes)) if self.l2 else (0, 0)
+                if self.l1:
+                    self.l1.clear()
+                return Reply(True, {"files": files, "bytes": freed,
+                                    "l2_size_bytes": self.l2.size_bytes if self.l2 else 0})
             return Reply(False, error=f"unknown request {type(req).__name__}", error_kind="bad_request")
         except KeyError as e:
             return Reply(False, error=f"no registered layer named {e.args[0]!r}", error_kind="not_found")
@@ -412,7 +428,8 @@ class Envlet:
             nursery.start_soon(self._tune_bdi)
             if metrics_port:
                 start_prometheus(self.metrics, metrics_port, lambda: {
-                    "l1_size_bytes": self.l1.size_bytes, "l2_size_bytes": self.l2.size_bytes,
+                    "l1_size_bytes": self.l1.size_bytes if self.l1 else 0,
+                    "l2_size_bytes": self.l2.size_bytes if self.l2 else 0,
                     "layers": len(self.by_name)})
             await nursery.start(self.serve_control)
             log.info("envlet serving %s (control %s)", self.mountpoint, self.control_socket)
@@ -500,7 +517,7 @@ def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
 def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
           control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
           metrics_port: int | None = None, readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10,
-          debug: bool = False) -> None:
+          tiers: str | Sequence[str] = DEFAULT_TIERS, debug: bool = False) -> None:
     """Mount and serve until SIGTERM/SIGINT; always unmounts."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
@@ -513,7 +530,7 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     envlet = Envlet(mountpoint, cache_dir, cache_size_bytes=cache_size_bytes,
                     memory_cache_size_bytes=memory_cache_size_bytes, control_socket=control_socket,
                     state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes,
-                    neighbor_bytes=neighbor_bytes)
+                    neighbor_bytes=neighbor_bytes, tiers=tiers)
     options = set(pyfuse3.default_options)
     options |= {"fsname=weenv-envlet", "subtype=weenv", "allow_other", "ro"}
     if debug:

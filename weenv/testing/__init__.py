@@ -2,7 +2,7 @@
 
 - fakes of the seams, for unit tests of logic: :class:`FakeRuntime` (containers in memory),
   :class:`FakeBackend` (cgroups with a workload model driven by a clock), :class:`FakeStore` (an
-  OCI store in memory);
+  OCI store in memory), :class:`FakeChunkTier` (an envlet chunk tier in memory);
 - real parts started privately: a weenv daemon (:class:`DaemonHandle`, :func:`busybox_plan`,
   :func:`teardown_private_daemon`; one egressing into a test-made network namespace,
   :func:`egress_daemon` with :class:`Outside`), a docker-registry with fault-injecting proxies
@@ -71,6 +71,7 @@ from ._rollout import rollout_binary as rollout_binary
 from ._runtime import FakeCommand as FakeCommand
 from ._runtime import FakeRuntime as FakeRuntime
 from ._store import FakeStore as FakeStore
+from ._chunktier import FakeChunkTier as FakeChunkTier
 from ._slime import ByteTokenizer as ByteTokenizer
 from ._slime import FakeSGLang as FakeSGLang
 from ._slime import LegacySample as LegacySample
@@ -83,7 +84,8 @@ from ._slime import train_side_checks as train_side_checks
 from ._slime import turns as turns
 
 __all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "EgressDaemon",
-           "FakeBackend", "FakeCgroup", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore", "Fault",
+           "FakeBackend", "FakeCgroup", "FakeChunkTier", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore",
+           "Fault",
            "FixtureCacheError", "HostUnsupported", "LegacySample", "OUTSIDE_A", "OUTSIDE_B", "OUTSIDE_BIG_BYTES",
            "OUTSIDE_HOST", "OUTSIDE_NAMES", "OUTSIDE_OTHER_PORT", "OUTSIDE_PORT", "Outside", "PROBE_SOURCE", "Proxy",
            "ProxyLog", "RegistryProcess", "Reply", "Sample", "attempts", "busybox_plan", "busybox_tree",
