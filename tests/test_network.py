@@ -309,6 +309,11 @@ def test_gc_removes_what_a_dead_daemon_left(daemon: EgressDaemon) -> None:
     assert out["network"]["veths"] and out["network"]["rules"]
     assert weenv_links(w.table) == []
     assert _env_chains(w.table) == []
+    # no egress env left: the table is gone and forwarding is off again where weenv turned it on
+    assert out["network"]["table"] == [w.table]
+    assert subprocess.run(["nft", "list", "table", "inet", w.table], capture_output=True).returncode != 0
+    with open(f"/proc/sys/net/ipv4/conf/{w.iface}/forwarding") as f:
+        assert f.read().strip() == "0"
 
 
 def test_daemon_sigkill_restart_readopts_with_rules_intact(daemon: EgressDaemon) -> None:

@@ -377,39 +377,58 @@ class EgressNetwork:
 
     # -- gc -----------------------------------------------------------------------------------
 
-    async def gc(self, live: set[str]) -> dict[str, list[str]]:
-        """Remove namespaces, veths and rules of this daemon that no live env owns."""
-        owned = {st.netns for st in self.states.values()}
-        owned_veths = {st.veth for st in self.states.values()}
-        owned_keys = {st.key for st in self.states.values()}
+    def _owned(self) -> tuple[set[str], set[str], set[str]]:
+        """Namespaces, veths and keys of the envs this daemon knows, now. A starting env is in
+        ``states`` before it has anything in the kernel, so what is not here when it is about to be
+        deleted belongs to no env."""
+        states = list(self.states.values())
+        return {s.netns for s in states}, {s.veth for s in states}, {s.key for s in states}
+
+    async def gc(self, live: set[str] | None = None) -> dict[str, list[str]]:
+        """Remove namespaces, veths (found by their alias) and rules of this daemon's table that no
+        env owns; delete the table when no egress env is left. ``live`` is unused: ownership is the
+        daemon's network state, checked again right before each removal."""
 
         def sweep() -> dict[str, list[str]]:
             out: dict[str, list[str]] = {"netns": [], "veths": [], "rules": []}
-            for name, alias in _host.links_with_alias_prefix(f"{self.table}:").items():
-                if name not in owned_veths and alias.split(":", 1)[1] not in live:
+            for name in _host.links_with_alias_prefix(f"{self.table}:"):
+                if name not in self._owned()[1]:
                     _host.delete_link(netns="", veth=name)
                     out["veths"].append(name)
             for ns in _host.netns_names(f"{self.table}-"):
-                if ns not in owned:
+                if ns not in self._owned()[0]:
                     _host.delete_link(netns=ns, veth="")
                     out["netns"].append(ns)
             state = _nft.parse_table(_host.list_table(self.table))
+            _, veths, keys = self._owned()
             lines = []
-            for veth in _nft.stale_elements(state, owned_veths):
+            for veth in _nft.stale_elements(state, veths):
                 lines += [f"delete element inet {self.table} {m} {{ \"{veth}\" }}"
                           for m in ("env_out", "env_in", "env_back", "envs") if veth in state.elements.get(m, set())]
-            for key in sorted(state.keys() - owned_keys):
+            for key in sorted(state.keys() - keys):
                 lines.append(_nft.render_env_delete(self.table, key, "", state).strip())
                 out["rules"].append(key)
             script = "\n".join(x for x in lines if x)
             if script:
                 _host.nft(script + "\n", what="gc rules")
-            if not self.states and state.chains:
-                _host.delete_table(self.table)  # nothing uses it: the node's ruleset is as before weenv
-                self._base_ready = False
             return out
 
-        return await trio.to_thread.run_sync(sweep)
+        out = await trio.to_thread.run_sync(sweep)
+        async with self._lock:
+            if not self.states and (self._base_ready or await trio.to_thread.run_sync(_host.list_table, self.table)):
+                self._base_ready = False  # a start from here on waits for the lock and builds the table anew
+                await trio.to_thread.run_sync(self._drop_table)
+                out["table"] = [self.table]
+        return out
+
+    def _drop_table(self) -> None:
+        """The node's ruleset and forwarding as before weenv: the table goes, and forwarding is
+        turned off again on the egress interfaces where weenv turned it on."""
+        state = _nft.parse_table(_host.list_table(self.table))
+        for iface in state.elements.get("fwd_guard", set()):
+            if _host.interface_exists(iface):
+                _host.write_sysctl(f"net/ipv4/conf/{iface}/forwarding", "0")
+        _host.delete_table(self.table)
 
     # -- the env's resolver --------------------------------------------------------------------
 
@@ -427,6 +446,7 @@ class EgressNetwork:
         with scope:
             sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             with sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # beside a resolver on *:53
                 try:
                     await sock.bind((gateway, 53))
                 except OSError as e:
