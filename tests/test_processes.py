@@ -8,6 +8,7 @@ promises against :class:`weenv.testing.FakeRuntime`.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
@@ -20,6 +21,7 @@ from weenv.provision._errors import ProcessNotFoundError, ProcessStartError, Pro
 from weenv.testing import FakeRuntime
 
 from .fixtures_daemon import daemon, weenv_daemon  # noqa: F401
+from .fixtures_runtime import crun_runtime  # noqa: F401
 
 
 def _output(events) -> tuple[bytes, wire.ProcessEnd | None, int]:  # type: ignore[no-untyped-def]
@@ -123,7 +125,8 @@ def test_a_pty_is_a_terminal_and_can_be_resized(daemon):  # noqa: F811
 
 def test_output_kept_while_nobody_reads_is_bounded(daemon):  # noqa: F811
     with daemon.client() as c, c.create(daemon.plan_lock) as env:
-        with env.spawn(["sh", "-c", "head -c 3000000 /dev/zero; echo END"], buffer_bytes=256 << 10) as p:
+        # it writes once its starter has detached, so every byte is either kept or counted as dropped
+        with env.spawn(["sh", "-c", "sleep 0.5; head -c 3000000 /dev/zero; echo END"], buffer_bytes=256 << 10) as p:
             pid = p.pid
         assert env.process(pid).wait(timeout_s=30).exit_code == 0  # type: ignore[union-attr]
         info = env.process(pid).info()
@@ -183,6 +186,45 @@ def _wait_for(cond, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped
     return False
 
 
+def test_a_reader_that_never_reads_does_not_stall_the_env(daemon):  # noqa: F811
+    # the agent queues a reader's frames and cuts off one too far behind; it never waits for it
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        body = json.dumps({"argv": ["cat", "/dev/zero"], "tag": "flood"}).encode()
+        with socket.socket(socket.AF_UNIX) as raw:  # starts the stream, then never reads it
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            raw.connect(daemon.socket)
+            raw.sendall(b"POST /v1/envs/%s/processes HTTP/1.1\r\nHost: weenv\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (env.id.encode(), len(body), body))
+            assert _wait_for(lambda: any(p.tag == "flood" for p in env.processes()))
+            time.sleep(1.0)  # the daemon's send to us is stuck, so is its read of the agent's stream
+            t0 = time.monotonic()
+            r = env.exec(["echo", "alive"], timeout_s=20)
+            assert r.stdout == b"alive\n" and time.monotonic() - t0 < 5
+            flood = next(p for p in env.processes() if p.tag == "flood")
+            assert flood.running
+            env.process(flood.pid).kill()
+            assert env.process(flood.pid).wait(timeout_s=10).signal == 9  # type: ignore[union-attr]
+
+
+def test_background_processes_survive_a_daemon_restart(daemon):  # noqa: F811
+    # the agent keeps the table and the unread output: a restarted daemon lists and reattaches
+    with daemon.client() as c:
+        env = c.create(daemon.plan_lock)
+        proc = env.spawn(["sh", "-c", "read x; echo got $x"], stdin=True, tag="kept")
+        pid = proc.pid
+        proc.detach()
+    daemon.kill9()
+    daemon.start()
+    with daemon.client() as c:
+        env = c.get(env.id)
+        listed = {p.pid: p for p in env.processes()}
+        assert listed[pid].tag == "kept" and listed[pid].running and listed[pid].stdin
+        env.process(pid).send_stdin("restart\n")
+        out, end, _ = _output(env.connect(pid).events())
+        assert out == b"got restart\n" and end is not None and end.exit_code == 0
+        env.kill()
+
+
 def test_the_async_client_drives_a_process(daemon):  # noqa: F811
     async def main() -> None:
         async with daemon.async_client() as c, c.create(daemon.plan_lock) as env:
@@ -198,6 +240,98 @@ def test_the_async_client_drives_a_process(daemon):  # noqa: F811
             await env.process(sleeper.pid).signal("KILL")
             end = await env.process(sleeper.pid).wait(timeout_s=10)
             assert end is not None and end.exit_code == 137 and end.status == "signal: killed"
+
+    trio.run(main)
+
+
+# -- the runtime seam: the same promises from crun (through the agent) and from the fake ----------
+
+
+@pytest.fixture(params=["fake", "crun"])
+def runtime_env(request, tmp_path):  # type: ignore[no-untyped-def]
+    """(runtime, env id) of a started env: FakeRuntime, or CrunRuntime with the in-env agent."""
+    if request.param == "fake":
+        rt = FakeRuntime()
+
+        async def up() -> None:
+            await rt.create("p1", "/b", "/r", {"process": {"env": ["A=1"], "cwd": "/"}})
+            await rt.start("p1")
+
+        trio.run(up)
+        yield rt, "p1"
+        return
+    from weenv.provision._agent import agent_listener, ensure_agent
+    from weenv.provision._runtime import prepare_bundle
+
+    from .fixtures_runtime import make_busybox_rootfs
+
+    rt = request.getfixturevalue("crun_runtime")
+    agent = ensure_agent(str(tmp_path / "lib"))
+    if agent is None:
+        pytest.skip("no static C toolchain for weenv-agent")
+    rootfs = make_busybox_rootfs(str(tmp_path / "rootfs"))
+    bundle = str(tmp_path / "bundle")
+    os.makedirs(bundle)
+    sock = os.path.join(bundle, "agent.sock")
+    listener = agent_listener(sock)
+    spec = prepare_bundle(bundle, env_id="p1", rootfs=rootfs, host=rt.host, agent_path=agent, agent_socket=sock)
+
+    async def up() -> None:
+        try:
+            await rt.create("p1", bundle, rootfs, spec, [], listen_fd=listener.fileno())
+        finally:
+            listener.close()
+        await rt.start("p1")
+
+    trio.run(up)
+    yield rt, "p1"
+
+
+def test_conformance_process_handles(runtime_env):  # type: ignore[no-untyped-def]
+    rt, env_id = runtime_env
+
+    async def collect(stream) -> tuple[bytes, wire.ProcessEnd | None]:  # type: ignore[no-untyped-def]
+        out = b""
+        with trio.fail_after(10):
+            async for ev in stream:
+                out += ev.data_b64 or b""
+        return out, stream.end
+
+    async def main() -> None:
+        cat = await rt.start_process(env_id, ["cat"], stdin=True, tag="t")
+        assert cat.pid > 0
+        await rt.send_stdin(env_id, cat.pid, b"hi\n")
+        with trio.fail_after(10):
+            ev = await cat.receive()
+        assert ev is not None and ev.stream == "stdout" and ev.data_b64 == b"hi\n"
+        await cat.aclose()  # detached: it runs on, its output kept for the next reader
+        await rt.send_stdin(env_id, cat.pid, b"again\n", close=True)
+        assert await rt.wait_process(env_id, cat.pid, 10) == wire.ProcessEnd(exit_code=0, status="exit status 0")
+        assert await collect(await rt.connect_process(env_id, cat.pid)) == (
+            b"again\n", wire.ProcessEnd(exit_code=0, status="exit status 0"))
+        with pytest.raises(ProcessStateError):
+            await rt.send_stdin(env_id, cat.pid, b"late")
+        sleeper = await rt.start_process(env_id, ["sleep", "30"])
+        await sleeper.aclose()
+        assert await rt.wait_process(env_id, sleeper.pid, 0.1) is None
+        with pytest.raises(ProcessStateError):
+            await rt.send_stdin(env_id, sleeper.pid, b"x")  # started without stdin
+        with pytest.raises(ProcessStateError):
+            await rt.resize_process(env_id, sleeper.pid, 5, 5)  # not on a pty
+        await rt.signal_process(env_id, sleeper.pid, 15)
+        assert await rt.wait_process(env_id, sleeper.pid, 10) == wire.ProcessEnd(
+            exit_code=143, signal=15, status="signal: terminated")
+        tty = await rt.start_process(env_id, ["stty", "size"], pty=(10, 40))
+        out, end = await collect(tty)
+        assert b"10 40" in out and end is not None and end.exit_code == 0
+        infos = {p.pid: p for p in await rt.list_processes(env_id)}
+        assert infos[cat.pid].tag == "t" and infos[cat.pid].argv == ["cat"] and not infos[cat.pid].running
+        assert infos[sleeper.pid].end is not None and infos[sleeper.pid].end.signal == 15
+        with pytest.raises(ProcessNotFoundError):
+            await rt.connect_process(env_id, 123456)
+        with pytest.raises(ProcessStartError) as e:
+            await rt.start_process(env_id, ["no-such-command"])
+        assert e.value.not_found
 
     trio.run(main)
 
