@@ -54,6 +54,15 @@ def weenv_serve(weenv_daemon: DaemonHandle) -> Iterator[Served]:
             store.revoke(name)
         keys[name] = store.create(name, admin=admin)
     TemplateStore(api_dir).set("bb", weenv_daemon.plan_lock)
+    served = start_serve(weenv_daemon, keys)
+    try:
+        yield served
+    finally:
+        stop_serve(served)
+
+
+def start_serve(weenv_daemon: DaemonHandle, keys: dict[str, str]) -> Served:
+    """A ``weenv serve`` process on a free port of 127.0.0.1, once it answers."""
     port = _free_port()
     log_path = os.path.join(weenv_daemon.home, "serve.log")
     log = open(log_path, "ab")
@@ -77,15 +86,16 @@ def weenv_serve(weenv_daemon: DaemonHandle) -> Iterator[Served]:
             proc.kill()
             raise RuntimeError(f"weenv serve did not answer within 30 s:\n{served.log()[-3000:]}")
         time.sleep(0.05)
+    return served
+
+
+def stop_serve(served: Served) -> None:
+    served.proc.send_signal(signal.SIGINT)
     try:
-        yield served
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        served.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        served.proc.kill()
+        served.proc.wait()
 
 
 @pytest.fixture

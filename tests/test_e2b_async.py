@@ -1,0 +1,78 @@
+"""The unmodified E2B SDK (async, on asyncio) against ``weenv serve``: the streamed calls
+(``watch_dir`` is a Connect server stream here, where the sync SDK polls) and the same lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from .fixtures_api import Served, served, weenv_serve  # noqa: F401
+
+e2b = pytest.importorskip("e2b")
+
+pytestmark = [pytest.mark.integration]
+
+
+def test_async_sandbox_lifecycle_and_files(served: Served) -> None:
+    async def main() -> None:
+        sbx = await e2b.AsyncSandbox.create("bb", metadata={"who": "async"}, timeout=120)
+        try:
+            info = await sbx.get_info()
+            assert info.metadata == {"who": "async"}
+            await sbx.files.write("/tmp/a.txt", "async hello")
+            assert await sbx.files.read("/tmp/a.txt") == "async hello"
+            assert await sbx.files.make_dir("/tmp/d") is True
+            assert await sbx.files.make_dir("/tmp/d") is False
+            assert await sbx.files.exists("/tmp/a.txt")
+            await sbx.files.rename("/tmp/a.txt", "/tmp/d/b.txt")
+            assert [e.name for e in await sbx.files.list("/tmp/d")] == ["b.txt"]
+            assert (await sbx.files.get_info("/tmp/d/b.txt")).size == len("async hello")
+            await sbx.files.remove("/tmp/d/b.txt")
+            assert not await sbx.files.exists("/tmp/d/b.txt")
+
+            events: list = []
+            seen = asyncio.Event()
+
+            def on_event(ev) -> None:  # type: ignore[no-untyped-def]
+                events.append(ev)
+                if ev.name == "w.txt":
+                    seen.set()
+
+            handle = await sbx.files.watch_dir("/tmp/d", on_event, timeout=30)
+            try:
+                await sbx.files.write("/tmp/d/w.txt", "x")
+                await asyncio.wait_for(seen.wait(), 10)
+            finally:
+                await handle.stop()
+            assert any(ev.type == e2b.FilesystemEventType.CREATE for ev in events)
+
+            out = await sbx.commands.run("echo async; exit 0")
+            assert out.stdout == "async\n"
+            with pytest.raises(e2b.CommandExitException) as err:
+                await sbx.commands.run("exit 4")
+            assert err.value.exit_code == 4
+
+            await sbx.set_timeout(600)
+            assert await sbx.pause() is True
+            again = await e2b.AsyncSandbox.connect(sbx.sandbox_id)
+            assert (await again.get_info()).state.value == "running"
+            assert await again.files.exists("/tmp/d")
+
+            children = await sbx.fork(count=2)
+            assert all(not isinstance(c, Exception) for c in children)
+            for child in children:
+                assert await child.files.exists("/tmp/d")
+                await child.kill()
+            snap = await sbx.create_snapshot()
+            other = await e2b.AsyncSandbox.create(snap.snapshot_id, timeout=60)
+            assert await other.files.exists("/tmp/d")
+            await other.kill()
+            found = await e2b.AsyncSandbox.list(query=e2b.SandboxQuery(metadata={"who": "async"})).next_items()
+            assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
+        finally:
+            await sbx.kill()
+        with pytest.raises(e2b.NotFoundException):
+            await e2b.AsyncSandbox.get_info(sbx.sandbox_id)
+
+    asyncio.run(main())
