@@ -8,7 +8,7 @@ import os
 import tarfile
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -16,8 +16,9 @@ from typing import BinaryIO
 import zstandard
 
 from ._errors import LayerError, LayerInputError
+from ._ids import CAPABILITY_XATTR, cap_to_layer, to_layer_id
 from ._io import Writer
-from ._source import PathOpener, SourceEntry, SpoolOpener, iter_directory, scan_directory, scan_tar
+from ._source import PathOpener, SourceEntry, SpoolOpener, iter_directory, scan_tar
 from ._tarheader import tar_header
 from ._toc import (
     DEFAULT_CHUNK_SIZE,
@@ -433,6 +434,17 @@ def _build_ordered(
 _ZEROS = bytes(1024)
 
 
+def _layer_ids(entries: Iterable[SourceEntry], id_base: int) -> Iterator[SourceEntry]:
+    """Owners and file capabilities of a tree written through a user namespace, as the layer's."""
+    for e in entries:
+        if id_base:
+            e.uid, e.gid = to_layer_id(e.uid, id_base), to_layer_id(e.gid, id_base)
+            cap = e.xattrs.get(CAPABILITY_XATTR) if e.xattrs else None
+            if cap is not None:
+                e.xattrs[CAPABILITY_XATTR] = cap_to_layer(cap, id_base)
+        yield e
+
+
 def build_layer(
     src: str | os.PathLike[str] | BinaryIO,
     out: Writer,
@@ -443,17 +455,21 @@ def build_layer(
     threads: int | None = None,
     overlay_upper: bool = False,
     spool_dir: str | None = None,
+    id_base: int = 0,
 ) -> BuildResult:
-    """Build a layer from a directory, a tar file path, or a binary tar stream (tar, tar.gz, tar.zst)."""
+    """Build a layer from a directory, a tar file path, or a binary tar stream (tar, tar.gz, tar.zst).
+
+    ``id_base``: the directory's owners are host ids of a user namespace whose root is host uid
+    ``id_base`` (an env's upper): the layer records the env's ids (see :mod:`._ids`)."""
     prefetch = list(prefetch)
     kwargs = dict(chunk_size=chunk_size, prefetch=prefetch, level=level, threads=threads)
     if isinstance(src, (str, os.PathLike)):
         if os.path.isdir(src):
+            walk = _layer_ids(iter_directory(src, overlay_upper=overlay_upper), id_base)
             if not prefetch:  # the walk already yields canonical order: compress while walking
                 _check_chunk_size(chunk_size)
-                return _build_ordered(iter_directory(src, overlay_upper=overlay_upper), 0, [], out,
-                                      chunk_size=chunk_size, level=level, threads=threads)
-            return build_entries(scan_directory(src, overlay_upper=overlay_upper), out, **kwargs)
+                return _build_ordered(walk, 0, [], out, chunk_size=chunk_size, level=level, threads=threads)
+            return build_entries(list(walk), out, **kwargs)
         try:
             f = open(src, "rb")
         except OSError as err:
