@@ -219,6 +219,7 @@ def test_policy_change_on_a_running_env(daemon: EgressDaemon) -> None:
         assert not _reachable(env, f"http://{OUT_A}:{PORT}/id")
         info = _change(daemon, env.id, remove=[f"{OUT_A}:{PORT}"], allow=[f"{OUT_A}:{OTHER_PORT}"])
         assert info["deny"] == [] and f"{OUT_A}:{OTHER_PORT}" in info["allow"]
+        assert c.get(env.id).info["network"]["policy"]["allow"] == info["allow"]  # what PUT /sandboxes/{id}/network reads
         assert _reachable(env, f"http://{OUT_A}:{OTHER_PORT}/id")
         assert not _reachable(env, f"http://{OUT_A}:{PORT}/id")
         with pytest.raises(Exception, match=r"allow\[0\]"):

@@ -53,7 +53,7 @@ class NetState(msgspec.Struct, kw_only=True):
 
     def public(self) -> dict[str, Any]:
         return {"mode": "egress", "address": self.address, "gateway": self.gateway, "netns": self.netns,
-                "veth": self.veth, **self.policy, "resolved": self.resolved}
+                "veth": self.veth, **self.policy, "policy": dict(self.policy), "resolved": self.resolved}
 
 
 class NetChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
