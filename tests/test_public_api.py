@@ -63,6 +63,10 @@ PUBLIC_API: dict[str, list[str]] = {
         "plan_defaults_from_image", "plan_from_builtins", "plan_json_schema", "plan_to_builtins",
         "verify_lock_group", "verify_manifest", "write_plan",
     ],
+    "weenv.api": [
+        "AccessTokens", "ApiKey", "Backend", "Gate", "KeyStore", "NodeBackend", "OwnerTable", "StoreError",
+        "TemplateStore", "create_app", "serve",
+    ],
     "weenv.net": [
         "EgressPolicy", "Entry", "PolicyError", "parse_bandwidth", "parse_entry", "parse_policy",
     ],
