@@ -384,21 +384,22 @@ class EgressNetwork:
         states = list(self.states.values())
         return {s.netns for s in states}, {s.veth for s in states}, {s.key for s in states}
 
-    async def gc(self, live: set[str] | None = None) -> dict[str, list[str]]:
+    async def gc(self, live: set[str] | None = None) -> list[str]:
         """Remove namespaces, veths (found by their alias) and rules of this daemon's table that no
         env owns; delete the table when no egress env is left. ``live`` is unused: ownership is the
-        daemon's network state, checked again right before each removal."""
+        daemon's network state, checked again right before each removal. What was removed, as
+        ``veth NAME``, ``netns NAME``, ``rules KEY``, ``table NAME``."""
 
-        def sweep() -> dict[str, list[str]]:
-            out: dict[str, list[str]] = {"netns": [], "veths": [], "rules": []}
+        def sweep() -> list[str]:
+            out: list[str] = []
             for name in _host.links_with_alias_prefix(f"{self.table}:"):
                 if name not in self._owned()[1]:
                     _host.delete_link(netns="", veth=name)
-                    out["veths"].append(name)
+                    out.append(f"veth {name}")
             for ns in _host.netns_names(f"{self.table}-"):
                 if ns not in self._owned()[0]:
                     _host.delete_link(netns=ns, veth="")
-                    out["netns"].append(ns)
+                    out.append(f"netns {ns}")
             state = _nft.parse_table(_host.list_table(self.table))
             _, veths, keys = self._owned()
             lines = []
@@ -407,7 +408,7 @@ class EgressNetwork:
                           for m in ("env_out", "env_in", "env_back", "envs") if veth in state.elements.get(m, set())]
             for key in sorted(state.keys() - keys):
                 lines.append(_nft.render_env_delete(self.table, key, "", state).strip())
-                out["rules"].append(key)
+                out.append(f"rules {key}")
             script = "\n".join(x for x in lines if x)
             if script:
                 _host.nft(script + "\n", what="gc rules")
@@ -418,7 +419,7 @@ class EgressNetwork:
             if not self.states and (self._base_ready or await trio.to_thread.run_sync(_host.list_table, self.table)):
                 self._base_ready = False  # a start from here on waits for the lock and builds the table anew
                 await trio.to_thread.run_sync(self._drop_table)
-                out["table"] = [self.table]
+                out.append(f"table {self.table}")
         return out
 
     def _drop_table(self) -> None:
