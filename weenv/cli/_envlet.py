@@ -32,10 +32,13 @@ def envlet() -> None:
 @click.option("--metrics-port", type=int, default=None, help="Serve prometheus metrics on this port.")
 @click.option("--tiers", default="memory,disk,registry", show_default=True,
               help="Chunk tiers asked in this order (each is weenv/envlet/_tier_<name>.py).")
+@click.option("--id-base", type=click.IntRange(0, 2**32 - 65536), default=0, show_default=True,
+              help="Show owners (and write layer trees) as host ids from this base: the root of the envs' "
+                   "user namespace (0: envs without one).")
 @click.option("--debug", is_flag=True, help="Verbose logs, FUSE debug output.")
 def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_size: int, control_socket: str,
               state_file: str | None, deadline_s: float, readahead_bytes: int, neighbor_bytes: int,
-              metrics_port: int | None, tiers: str, debug: bool) -> None:
+              metrics_port: int | None, tiers: str, debug: bool, id_base: int = 0) -> None:
     """Mount the envlet and serve until SIGTERM."""
     from ..envlet import serve
     from ..envlet._tier import TierConfigError, parse_tiers
@@ -46,7 +49,7 @@ def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_siz
         raise click.BadParameter(str(e), param_hint="--tiers") from None
     serve(mountpoint, cache_dir, cache_size_bytes=cache_size, memory_cache_size_bytes=memory_cache_size,
           control_socket=control_socket, state_file=state_file, deadline_s=deadline_s, metrics_port=metrics_port,
-          readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, tiers=tiers, debug=debug)
+          readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, tiers=tiers, debug=debug, id_base=id_base)
 
 
 @envlet.command("ls")

@@ -10,6 +10,11 @@ Safety: ``dest`` must not exist; it is created 0700 and everything below it is m
 its descriptor, through directories this function created (the layer tree only has children
 under directories), with ``O_EXCL|O_NOFOLLOW`` for files and no-follow calls for attributes, so a
 hostile layer cannot make it write outside ``dest``.
+
+Inert on the host (docs/security.md, "User namespaces"): owners are written as the host ids of
+the envs' user namespace (``id_base``; a setuid-root file is setuid to an unprivileged uid, a
+file capability belongs to the envs' root), and a layer shipping a device node (other than a
+whiteout, char 0:0) gets no tree at all: it stays on the envlet's mount, which is nodev.
 """
 
 from __future__ import annotations
@@ -20,32 +25,53 @@ from typing import Any
 
 import trio
 
+from ..layerfmt._ids import CAPABILITY_XATTR, cap_to_host, to_host_id
+from ..layerfmt._toc import BLOCK, CHAR
 from ._tree import ROOT_LOCAL, LayerTree
 
 _BATCH_BYTES = 16 << 20  # a file's chunks are fetched and written this much at a time
 _SMALL_BYTES = 256 << 10  # files up to this size are written a directory (256 files) at a time
 
 
+class DeviceNodeError(OSError):
+    """The layer ships a device node: it gets no tree (a tree is on the host's disk, not nodev)."""
+
+
+def _first_device(tree: LayerTree) -> str | None:
+    """Path of the layer's first real device node (a char 0:0 opens nothing and is allowed)."""
+    cols = tree.cols
+    for i, t in enumerate(cols.types):
+        if t in (CHAR, BLOCK) and cols.toc.devices.get(i, (0, 0)) != (0, 0):
+            return cols.paths[i]
+    return None
+
+
 def _apply_attrs(root_fd: int, rel: bytes, attr: Any, xattrs: dict[str, bytes], *, fd: int | None = None,
-                 symlink: bool = False) -> None:
+                 symlink: bool = False, id_base: int = 0) -> None:
     """Owner, mode (after the owner: setuid bits survive), xattrs, mtime."""
+    uid, gid = to_host_id(attr.uid, id_base), to_host_id(attr.gid, id_base)
     if fd is not None:
-        os.fchown(fd, attr.uid, attr.gid)
+        os.fchown(fd, uid, gid)
         os.fchmod(fd, stat.S_IMODE(attr.mode))
         for k, v in xattrs.items():
-            os.setxattr(fd, k, v)
+            os.setxattr(fd, k, cap_to_host(v, id_base) if k == CAPABILITY_XATTR else v)
         os.utime(fd, ns=(attr.mtime * 10**9, attr.mtime * 10**9))
         return
-    os.chown(rel, attr.uid, attr.gid, dir_fd=root_fd, follow_symlinks=False)
+    os.chown(rel, uid, gid, dir_fd=root_fd, follow_symlinks=False)
     if not symlink:
         os.chmod(rel, stat.S_IMODE(attr.mode), dir_fd=root_fd)
     os.utime(rel, ns=(attr.mtime * 10**9, attr.mtime * 10**9), dir_fd=root_fd, follow_symlinks=False)
 
 
-async def extract_layer(tree: LayerTree, fetch: Any, prefetch: Any, dest: str) -> dict[str, int]:
+async def extract_layer(tree: LayerTree, fetch: Any, prefetch: Any, dest: str, *, id_base: int = 0) -> dict[str, int]:
     """Create ``dest`` holding the layer. ``fetch(chunks, path) -> list[bytes]`` and
-    ``prefetch(chunks)`` are the fetcher's, bound to the layer. Returns counts of what was made."""
+    ``prefetch(chunks)`` are the fetcher's, bound to the layer; owners are stored as host ids of
+    the user namespace whose root is ``id_base`` (0: none). Returns counts of what was made.
+    Raises :class:`DeviceNodeError` (before writing anything) for a layer with device nodes."""
     cols = tree.cols
+    device = _first_device(tree)
+    if device is not None:
+        raise DeviceNodeError(f"the layer ships a device node ({device}): no tree, it stays on the envlet (nodev)")
     all_chunks = [cols.chunk(k, 0) for k in range(len(cols.chunk_offsets))]
     await prefetch(all_chunks)
     await trio.to_thread.run_sync(lambda: os.mkdir(dest, 0o700))
@@ -76,7 +102,7 @@ async def extract_layer(tree: LayerTree, fetch: Any, prefetch: Any, dest: str) -
                         counts["bytes"] += size
                         batch, size = [], 0
                 xattrs = tree.xattrs(local)
-                await trio.to_thread.run_sync(lambda: _apply_attrs(root_fd, rel, attr, xattrs, fd=fd))
+                await trio.to_thread.run_sync(lambda: _apply_attrs(root_fd, rel, attr, xattrs, fd=fd, id_base=id_base))
             finally:
                 os.close(fd)
             counts["files"] += 1
@@ -104,7 +130,7 @@ async def extract_layer(tree: LayerTree, fetch: Any, prefetch: Any, dest: str) -
                         for x in datas[a:b]:
                             os.write(fd, x)
                             counts["bytes"] += len(x)
-                        _apply_attrs(root_fd, rel, tree.attr(local), tree.xattrs(local), fd=fd)
+                        _apply_attrs(root_fd, rel, tree.attr(local), tree.xattrs(local), fd=fd, id_base=id_base)
                     finally:
                         os.close(fd)
                     counts["files"] += 1
@@ -133,11 +159,11 @@ async def extract_layer(tree: LayerTree, fetch: Any, prefetch: Any, dest: str) -
                     files.append((rel, local))
                 elif kind == stat.S_IFLNK:
                     os.symlink(tree.readlink(local) or b"", rel, dir_fd=root_fd)
-                    _apply_attrs(root_fd, rel, attr, {}, symlink=True)
+                    _apply_attrs(root_fd, rel, attr, {}, symlink=True, id_base=id_base)
                     counts["symlinks"] += 1
                 else:  # char/block devices, fifos, whiteouts (char 0:0)
                     os.mknod(rel, kind | 0o600, attr.rdev, dir_fd=root_fd)
-                    _apply_attrs(root_fd, rel, attr, {})
+                    _apply_attrs(root_fd, rel, attr, {}, id_base=id_base)
                     counts["nodes"] += 1
             return files
 
@@ -169,7 +195,7 @@ async def extract_layer(tree: LayerTree, fetch: Any, prefetch: Any, dest: str) -
             for rel, local in reversed(dirs):  # children before parents: mtimes stay put
                 dfd = os.open(rel or b".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
                 try:
-                    _apply_attrs(root_fd, rel, tree.attr(local), tree.xattrs(local), fd=dfd)
+                    _apply_attrs(root_fd, rel, tree.attr(local), tree.xattrs(local), fd=dfd, id_base=id_base)
                 finally:
                     os.close(dfd)
 

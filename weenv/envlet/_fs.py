@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 
 from ..layerfmt import Chunk
+from ..layerfmt._ids import to_host_id
 from ._errors import ChunkIntegrityError, FetchError
 
 if TYPE_CHECKING:
@@ -99,8 +100,9 @@ class EnvletFS(pyfuse3.Operations):
 
     def _attr(self, layer: "MountedLayer", local: int) -> pyfuse3.EntryAttributes:
         a = layer.tree.attr(local)
-        return _fill(pyfuse3.EntryAttributes(), (layer.slot << SLOT_SHIFT) | local, a.mode, a.nlink, a.uid, a.gid,
-                     a.size, a.mtime, a.rdev, LAYER_TIMEOUT_S)
+        base = self.envlet.id_base  # owners as the host ids of the envs' user namespace (0: none)
+        return _fill(pyfuse3.EntryAttributes(), (layer.slot << SLOT_SHIFT) | local, a.mode, a.nlink,
+                     to_host_id(a.uid, base), to_host_id(a.gid, base), a.size, a.mtime, a.rdev, LAYER_TIMEOUT_S)
 
     # ------------------------------------------------------------- metadata
 

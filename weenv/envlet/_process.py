@@ -20,7 +20,7 @@ class EnvletProcess:
     def __init__(self, mountpoint: str, cache_dir: str, control_socket: str, *, cache_size_bytes: int = 10 << 30,
                  memory_cache_size_bytes: int = 256 << 20, deadline_s: float = 30.0, state_file: str | None = None,
                  log_path: str | None = None, readahead_bytes: int | None = None, neighbor_bytes: int | None = None,
-                 metrics_port: int | None = None, tiers: "Sequence[str] | None" = None):
+                 metrics_port: int | None = None, tiers: "Sequence[str] | None" = None, id_base: int = 0):
         self.mountpoint = mountpoint
         self.cache_dir = cache_dir
         self.control_socket = control_socket
@@ -39,6 +39,8 @@ class EnvletProcess:
             self.args += ["--metrics-port", str(metrics_port)]
         if tiers is not None:
             self.args += ["--tiers", ",".join(tiers)]
+        if id_base:
+            self.args += ["--id-base", str(id_base)]
         self.log_path = log_path or os.path.join(cache_dir, "envlet.log")
         self.proc: subprocess.Popen | None = None
         self.client = EnvletClient(control_socket)

@@ -129,8 +129,12 @@ class Envlet:
     def __init__(self, mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
                  control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
                  readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10, max_concurrent_fetches: int = 8,
-                 tiers: str | Sequence[str] = DEFAULT_TIERS, tier_options: dict[str, str] | None = None):
+                 tiers: str | Sequence[str] = DEFAULT_TIERS, tier_options: dict[str, str] | None = None,
+                 id_base: int = 0):
         self.mountpoint = os.path.abspath(mountpoint)
+        # files are shown (and layer trees written) owned by the host ids of the envs' user
+        # namespace, whose root is host uid id_base (0: none; docs/security.md, "User namespaces")
+        self.id_base = id_base
         self.cache_dir = os.path.abspath(cache_dir)
         self.control_socket = control_socket
         self.state_file = state_file or os.path.join(self.cache_dir, "envlet-state.json")
@@ -335,7 +339,7 @@ class Envlet:
     async def handle(self, req: Any) -> Reply:
         try:
             if isinstance(req, Ping):
-                return Reply(True, {"pid": os.getpid(), "mountpoint": self.mountpoint})
+                return Reply(True, {"pid": os.getpid(), "mountpoint": self.mountpoint, "id_base": self.id_base})
             if isinstance(req, Register):
                 m = await self.register(req)
                 return Reply(True, msgspec.to_builtins(m.info(self.mountpoint)))
@@ -360,7 +364,7 @@ class Envlet:
                     return Reply(False, error=f"extract: {req.dest!r} is not an absolute path", error_kind="bad_request")
                 counts = await extract_layer(
                     m.tree, lambda chunks, path: self.fetcher.get(m.source, chunks, path),
-                    lambda chunks: self.fetcher.prefetch(m.source, chunks), req.dest)
+                    lambda chunks: self.fetcher.prefetch(m.source, chunks), req.dest, id_base=self.id_base)
                 return Reply(True, counts)
             if isinstance(req, Prune):
                 files, freed = (await trio.to_thread.run_sync(self.l2.prune, req.to_bytes)) if self.l2 else (0, 0)
@@ -517,7 +521,7 @@ def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
 def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
           control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
           metrics_port: int | None = None, readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10,
-          tiers: str | Sequence[str] = DEFAULT_TIERS, debug: bool = False) -> None:
+          tiers: str | Sequence[str] = DEFAULT_TIERS, debug: bool = False, id_base: int = 0) -> None:
     """Mount and serve until SIGTERM/SIGINT; always unmounts."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
@@ -530,7 +534,7 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     envlet = Envlet(mountpoint, cache_dir, cache_size_bytes=cache_size_bytes,
                     memory_cache_size_bytes=memory_cache_size_bytes, control_socket=control_socket,
                     state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes,
-                    neighbor_bytes=neighbor_bytes, tiers=tiers)
+                    neighbor_bytes=neighbor_bytes, tiers=tiers, id_base=id_base)
     options = set(pyfuse3.default_options)
     options |= {"fsname=weenv-envlet", "subtype=weenv", "allow_other", "ro"}
     if debug:
