@@ -217,6 +217,13 @@ class FakeRuntime(Runtime):
         return stream
 
     async def _drive(self, p: "_FakeProcess", env: dict, user) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await self._drive_one(p, env, user)
+        except Exception as e:  # a fake command's bug ends its process, not the test's trio run
+            p.emit("pty" if p.pty else "stderr", f"{type(e).__name__}: {e}\n".encode())
+            p.finish(1)
+
+    async def _drive_one(self, p: "_FakeProcess", env: dict, user) -> None:  # type: ignore[no-untyped-def]
         name = p.argv[0]
         out = "pty" if p.pty else "stdout"
         with p.scope:
