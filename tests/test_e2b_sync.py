@@ -157,3 +157,37 @@ def test_commands_run_foreground(sbx) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(e2b.CommandExitException) as err:
         sbx.commands.run("echo out; exit 3")
     assert err.value.exit_code == 3 and err.value.stdout == "out\n"
+
+
+def test_streamed_upload_and_download(sbx) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    data = bytes(range(256)) * 4096  # 1 MiB
+    sbx.files.write("/tmp/big.bin", io.BytesIO(data))  # a file-like object goes octet-stream, streamed
+    with sbx.files.read("/tmp/big.bin", format="stream") as stream:
+        got = b"".join(stream)
+    assert got == data
+    assert sbx.files.get_info("/tmp/big.bin").size == len(data)
+
+
+def test_timeout_expiry_kills(served: Served) -> None:
+    import time
+
+    s = e2b.Sandbox.create("bb", timeout=1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            e2b.Sandbox.get_info(s.sandbox_id)
+        except e2b.NotFoundException:
+            break
+        time.sleep(0.2)
+    else:
+        s.kill()
+        pytest.fail("a sandbox with timeout=1 was still there after 20 s")
+    assert not s.is_running()
+    assert s.sandbox_id not in {x.sandbox_id for x in e2b.Sandbox.list().next_items()}
+
+
+def test_update_network_without_egress_says_why(sbx) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(e2b.SandboxException, match="no egress network"):
+        sbx.update_network({"deny_out": ["10.0.0.0/8"]})

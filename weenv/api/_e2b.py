@@ -412,9 +412,11 @@ async def list_sandboxes(request: Request) -> Response:
         raise HttpError(400, "bad_request", f"state: {q.get('state')!r} (running, paused)")
     owners = state.owners.envs()
     out = []
+    known: set[str] = set()
     for client in state.backend.all():
         async with daemon_errors():
             infos = (await client._request("GET", "/v1/envs")).json()
+        known.update(info["id"] for info in infos)
         for info in infos:
             rec = owners.get(info["id"])
             if rec is None and not key.admin or rec is not None and not key.admin and rec.get("owner") != key.name:
@@ -428,6 +430,9 @@ async def list_sandboxes(request: Request) -> Response:
             if q.get("template") and rec.get("template") != q["template"]:
                 continue
             out.append(_listed(info, rec))
+    gone = [env_id for env_id in owners if env_id not in known]
+    if gone:  # killed by their TTL or on the node: the table keeps only envs that exist
+        state.owners.forget_envs(gone)
     out.sort(key=lambda s: s["startedAt"], reverse=q.get("order") == "desc")
     if not v2:
         return _json(out)

@@ -1,0 +1,177 @@
+"""weenv serve's logic without a daemon: the app over httpx's ASGI transport with a fake daemon
+client, the key store, the Gate's routing, the watcher's diff and a stream's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from typing import Any
+
+import httpx
+import pytest
+from starlette.datastructures import Headers
+
+import weenv
+from weenv.api import Backend, KeyStore, StoreError, TemplateStore, create_app
+from weenv.api._app import sandbox_target
+from weenv.api._connect import END_STREAM, EnvelopeReader
+
+e2b = pytest.importorskip("e2b")
+
+
+class FakeDaemon(weenv.AsyncClient):
+    """A daemon client that answers from a script (no socket)."""
+
+    def __init__(self, answers: dict[tuple[str, str], Any]):
+        super().__init__("/nonexistent.sock", autostart=False)
+        self.answers, self.calls = answers, []  # type: ignore[var-annotated]
+
+    async def _ensure(self) -> None:
+        return None
+
+    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        self.calls.append((method, url))
+        answer = self.answers.get((method, url))
+        if isinstance(answer, Exception):
+            raise answer
+        if answer is None:
+            raise weenv.EnvNotFoundError(404, "env_not_found", f"no {url}")
+        return httpx.Response(200, json=answer)
+
+
+class OneDaemon(Backend):
+    def __init__(self, client: FakeDaemon):
+        self.client = client
+
+    def for_env(self, env_id: str) -> weenv.AsyncClient:
+        return self.client
+
+    def for_create(self, request: dict[str, Any]) -> weenv.AsyncClient:
+        return self.client
+
+    def all(self) -> list[weenv.AsyncClient]:
+        return [self.client]
+
+
+@pytest.fixture
+def home(tmp_path: Any) -> str:
+    return str(tmp_path / "api")
+
+
+def _call(app: Any, method: str, url: str, **kw: Any) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, url, **kw)
+    return asyncio.run(go())
+
+
+def test_full_node_is_a_rate_limit(home: str, tmp_path: Any) -> None:
+    from e2b.api import handle_api_exception
+
+    lock = tmp_path / "x.lock.toml"
+    lock.write_text('name = "x"\n')
+    TemplateStore(home).set("base", str(lock))
+    key = KeyStore(home).create("ci")
+    daemon = FakeDaemon({("POST", "/v1/envs"): weenv.ApiError(503, "not_admitted", "the node is full")})
+    app = create_app(OneDaemon(daemon), home=home)
+    r = _call(app, "POST", "/v2/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": key})
+    assert r.status_code == 429 and r.json() == {"code": 429, "message": "the node is full"}
+    assert isinstance(handle_api_exception(r), e2b.RateLimitException)
+
+
+def test_unknown_template_and_foreign_env_are_404(home: str) -> None:
+    from weenv.api import OwnerTable
+
+    alice, bob = KeyStore(home).create("alice"), KeyStore(home).create("bob")
+    OwnerTable(home).put_env("e-1", {"owner": "alice"})
+    daemon = FakeDaemon({("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0}})
+    app = create_app(OneDaemon(daemon), home=home)
+    r = _call(app, "POST", "/sandboxes", json={"templateID": "nope"}, headers={"X-API-Key": alice})
+    assert r.status_code == 404 and "template 'nope' not found" in r.json()["message"]
+    assert _call(app, "GET", "/sandboxes/e-1", headers={"X-API-Key": bob}).status_code == 404
+    assert daemon.calls == []  # refused before the daemon was asked
+    r = _call(app, "GET", "/sandboxes/e-1", headers={"X-API-Key": alice})
+    assert r.status_code == 200 and r.json()["sandboxID"] == "e-1" and r.json()["envdAccessToken"].startswith("wea_")
+    r = _call(app, "POST", "/sandboxes", content=b"{not json", headers={"X-API-Key": alice})
+    assert r.status_code == 400 and "request body" in r.json()["message"]
+
+
+def test_gate_routes_and_refuses(home: str) -> None:
+    app = create_app(OneDaemon(FakeDaemon({})), home=home)
+    token = app.state.tokens.mint("e-1")
+    base = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": token}
+    r = _call(app, "GET", "/health", headers={**base, "E2b-Sandbox-Port": "8080"})
+    assert r.status_code == 501 and "port 8080" in r.json()["message"]
+    r = _call(app, "GET", "/health", headers={"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-2")})
+    assert r.status_code == 401
+    assert app.state.metrics.auth_failures.labels("envd", "wrong_token")._value.get() == 1
+    assert _call(app, "GET", "/health", headers={**base}).status_code == 502  # the daemon knows no e-1
+    r = _call(app, "POST", "/process.Process/SendSignal", json={}, headers=base)
+    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
+
+
+def test_sandbox_target() -> None:
+    assert sandbox_target(Headers({"e2b-sandbox-id": "a-1", "e2b-sandbox-port": "49983"}), None) == ("a-1", 49983)
+    assert sandbox_target(Headers({"host": "49983-a-1.sbx.test:443"}), "sbx.test") == ("a-1", 49983)
+    assert sandbox_target(Headers({"host": "8000-bb-12ab.SBX.test"}), "sbx.test") == ("bb-12ab", 8000)
+    assert sandbox_target(Headers({"host": "api.sbx.test"}), "sbx.test") is None
+    assert sandbox_target(Headers({"host": "49983-a-1.other.test"}), "sbx.test") is None
+    assert sandbox_target(Headers({"host": "49983-a-1.sbx.test"}), None) is None
+
+
+def test_key_store(home: str) -> None:
+    store = KeyStore(home)
+    key = store.create("ci", admin=True)
+    assert store.verify(key).name == "ci" and store.verify(key).admin
+    assert store.verify(key + "x") is None and store.verify("") is None and store.verify(None) is None
+    assert stat.S_IMODE(os.stat(os.path.join(home, "keys.json")).st_mode) == 0o600
+    assert key not in open(os.path.join(home, "keys.json")).read()
+    with pytest.raises(StoreError, match="exists already"):
+        store.create("ci")
+    with pytest.raises(StoreError, match="key name 'a b'"):
+        store.create("a b")
+    KeyStore(home).revoke("ci")  # another instance (another process): seen on the next verify
+    assert store.verify(key) is None
+    with pytest.raises(StoreError, match="no key named 'ci'"):
+        store.revoke("ci")
+
+
+def test_template_store(home: str, tmp_path: Any) -> None:
+    t = TemplateStore(home)
+    assert t.set("s", "snap-0123") == {"snapshot": "snap-0123"}
+    with pytest.raises(StoreError, match="neither a lock/plan file nor a snapshot id"):
+        t.set("x", str(tmp_path / "missing.lock"))
+    t.remove("s")
+    assert t.list() == {}
+
+
+def test_watch_diff() -> None:
+    from weenv.api._envd import _diff
+
+    old = {"a": ("file", 1, 1.0), "d": ("dir", 0, 1.0), "gone": ("file", 1, 1.0)}
+    new = {"a": ("file", 2, 2.0), "d": ("dir", 0, 5.0), "new": ("file", 3, 2.0)}
+    assert _diff(old, new) == [{"name": "new", "type": "EVENT_TYPE_CREATE"}, {"name": "new", "type": "EVENT_TYPE_WRITE"},
+                               {"name": "a", "type": "EVENT_TYPE_WRITE"}, {"name": "gone", "type": "EVENT_TYPE_REMOVE"}]
+
+
+def test_stream_deadline_ends_with_deadline_exceeded() -> None:
+    import time
+
+    from weenv.api._envd import _stream
+
+    async def forever() -> Any:
+        yield {"start": {}}
+        while True:
+            await asyncio.sleep(1)
+            yield {"keepalive": {}}
+
+    async def go() -> list[tuple[int, bytes]]:
+        frames = [f async for f in _stream(forever(), time.monotonic() + 0.1)]
+        reader = EnvelopeReader()
+        return [m for f in frames for m in reader.feed(f)]
+
+    msgs = asyncio.run(go())
+    assert msgs[0] == (0, b'{"start":{}}')
+    assert msgs[-1][0] == END_STREAM and json.loads(msgs[-1][1])["error"]["code"] == "deadline_exceeded"
