@@ -89,6 +89,11 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
               help="Runtime of plans that name none: crun (containers) or gvisor (runsc, for code nobody trusts).")
 @click.option("--node-name", default=None, metavar="NAME",
               help="Start every env id with NAME- (1-12 of a-z0-9; a cluster routes ids by it) [default: $WEENV_NODE_NAME].")
+@click.option("--userns/--no-userns", default=None,
+              help="Run every crun env in a user namespace: env root is an unprivileged host uid "
+                   "(docs/security.md) [default: $WEENV_USERNS, else off].")
+@click.option("--userns-base", type=click.IntRange(65536, 2**32 - 1 - 65536), default=None, metavar="UID",
+              help="First host uid of the envs' id range (65536 ids) [default: 2147483648].")
 @click.option("--debug", is_flag=True)
 @click.pass_context
 def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
@@ -98,7 +103,8 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                layer_trees_after: int | None, layer_trees_size: int | None, debug: bool,
                egress_interfaces: tuple[str, ...] = (), egress_range: str | None = None,
                egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0,
-               node_name: str | None = None, default_runtime: str = "crun") -> None:
+               node_name: str | None = None, default_runtime: str = "crun", userns: bool | None = None,
+               userns_base: int | None = None) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
     `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
@@ -150,6 +156,10 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
         if not re.fullmatch(NODE_NAME_PATTERN, node_name):
             raise click.BadParameter(f"{node_name!r}: 1 to 12 lowercase letters or digits", param_hint="--node-name")
         config.node_name = node_name
+    if userns is not None:
+        config.userns = userns
+    if userns_base is not None:
+        config.userns_base = userns_base
     for name, value in (("egress_range", egress_range), ("egress_table", egress_table), ("egress_dns", egress_dns)):
         if value is not None:
             setattr(config, name, value)

@@ -90,6 +90,21 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     # env ids start with "<node_name>-" (1-12 of [a-z0-9]; None: env WEENV_NODE_NAME, else no prefix),
     # so a cluster gateway routes an id to its node without asking (docs/cluster.md)
     node_name: str | None = msgspec.field(default_factory=lambda: os.environ.get("WEENV_NODE_NAME") or None)
+    # every crun env in a user namespace: env ids 0..65535 are host ids userns_base.. (docs/security.md,
+    # "User namespaces"; env WEENV_USERNS=0/1 sets the default)
+    userns: bool = msgspec.field(default_factory=lambda: _bool_env("WEENV_USERNS", False))
+    userns_base: int = 1 << 31
+
+
+def _bool_env(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"${name}: {value!r} is not 0 or 1")
 
 
 def _size_env(name: str, default: int) -> int:
@@ -169,6 +184,10 @@ class Daemon:
         self.envlet = EnvletClient(self.envlet_socket)
         self.manager = EnvManager(envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend,
                                   monitor=self.monitor, envlet=self.envlet)
+        if c.userns:
+            from ._idmap import IdMap
+
+            self.manager.idmap = IdMap(base=c.userns_base)
         if c.layer_trees_after > 0:
             self.manager.enable_layer_trees(after=c.layer_trees_after, budget_bytes=c.layer_trees_size_bytes)
         from ..net._egress import EgressNetwork
@@ -189,15 +208,25 @@ class Daemon:
         return EnvletProcess(os.path.join(c.home, "envlet", "mnt"), os.path.join(c.home, "envlet", "cache"),
                              self.envlet_socket, cache_size_bytes=c.envlet_cache_size_bytes,
                              memory_cache_size_bytes=c.envlet_memory_cache_size_bytes,
-                             deadline_s=c.envlet_deadline_s)
+                             deadline_s=c.envlet_deadline_s, id_base=self._id_base)
+
+    @property
+    def _id_base(self) -> int:
+        return self.manager.idmap.base if self.manager.idmap is not None else 0
 
     def ensure_envlet(self) -> bool:
         """Start the envlet unless one answers; True when it had to be started."""
         try:
-            self.envlet.ping()
-            return False
+            info = self.envlet.ping()
         except EnvletError:
             pass
+        else:
+            if int(info.get("id_base", 0)) != self._id_base:
+                raise EnvletError(
+                    f"the running envlet (pid {info.get('pid')}) shows files owned from host id "
+                    f"{info.get('id_base', 0)}, this daemon's envs need {self._id_base} (--userns/--no-userns "
+                    f"changed): stop it first (`weenv daemon stop --kill-envs`)")
+            return False
         log.info("starting the envlet")
         self._envlet_process().start()
         return True
@@ -222,6 +251,13 @@ class Daemon:
         if self.config.use_agent:
             self.manager.agent_path = await trio.to_thread.run_sync(
                 ensure_agent, os.path.join(self.config.home, "lib"))
+        if self.manager.idmap is not None:  # the env's root walks these to its rootfs and the agent
+            from ._idmap import open_path_for_range
+
+            lib = os.path.join(self.config.home, "lib")
+            os.makedirs(lib, mode=0o700, exist_ok=True)
+            await trio.to_thread.run_sync(open_path_for_range, [self.config.home, self.envs_dir, lib],
+                                          self.manager.idmap)
         adoption = await self.manager.adopt()
         server = Server(self.router)
         async with trio.open_nursery() as nursery:

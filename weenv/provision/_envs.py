@@ -46,6 +46,7 @@ from ._policy import EnvLimits
 from ._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
 from ._errors import HostError
 from ._gvisor import plan_runtime
+from ._idmap import DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert, open_path_for_range
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
 from ._startcheck import LockVerifier, check_registered, check_start
@@ -142,6 +143,9 @@ class EnvManager:
         self.lock_verifier = LockVerifier()  # every start checks each pinned field of the lock
         self.net: Any = None  # weenv.net EgressNetwork (set by the daemon): egress envs need it
         self._forking: set[str] = set()  # fork snapshots whose children are being started (gc keeps them)
+        # envs run in a user namespace over this host id range (None: env root is host root); set by
+        # the daemon, which also starts the envlet with the same base (weenv/provision/_idmap.py)
+        self.idmap: IdMap | None = None
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
         os.makedirs(self.trees_dir, mode=0o700, exist_ok=True)
 
@@ -362,6 +366,9 @@ class EnvManager:
 
         def mounts() -> None:
             _mounts.mount_upper(rw, lock.resources.disk)
+            if self.idmap is not None:  # the merged root takes the upper's owner: the top lower's (range ids)
+                top = os.stat(lowers[0])
+                os.chown(os.path.join(rw, "upper"), top.st_uid, top.st_gid)
             _mounts.mount_overlay(rootfs, lowers, os.path.join(rw, "upper"), os.path.join(rw, "work"))
 
         await trio.to_thread.run_sync(mounts)
@@ -387,7 +394,7 @@ class EnvManager:
                 sock_path = os.path.join(_state.env_dir(self.envs_dir, rec.id), "agent.sock")
                 listener = agent_listener(sock_path)
                 agent = {"agent_path": self.agent_path, "agent_socket": sock_path}
-            return prepare_bundle(
+            spec = prepare_bundle(
                 _state.bundle_path(self.envs_dir, rec.id), env_id=rec.id, rootfs=rootfs,
                 host=getattr(self.runtime, "host", None), network=netpol.mode, args=lock.init, env=dict(lock.env),
                 netns_path=self.net.netns_path(rec.id) if netpol.mode == "egress" else None,
@@ -397,6 +404,12 @@ class EnvManager:
                 bind_mounts=[BindMount(source=m.source, destination=m.target) for m in lock.mounts], **agent,
                 annotations=routing or None,
             )
+            if self.idmap is not None:
+                # crun's child, the env's root, walks to the rootfs and the bind sources as host uid base
+                open_path_for_range([_state.env_dir(self.envs_dir, rec.id), _state.bundle_path(self.envs_dir, rec.id)],
+                                    self.idmap)
+                spec = apply_userns(spec, self.idmap)
+            return spec
 
         spec = await trio.to_thread.run_sync(bundle)
         mark("bundle")
@@ -624,9 +637,17 @@ class EnvManager:
             raise EnvStateError(f"is {rec.status}", env_id=env_id)
         root = self.rootfs(env_id)
 
+        ids = self.idmap
+
+        def env_ids(info: Any) -> Any:  # owners as the env sees them
+            return info if ids is None else msgspec.structs.replace(info, uid=ids.env(info.uid), gid=ids.env(info.gid))
+
         def run() -> Any:
             who = resolve_user(root, user) if user else None
-            fs = RootFS(root, uid=who.uid if who else 0, gid=who.gid if who else 0)
+            uid, gid = (who.uid, who.gid) if who else (0, 0)
+            if ids is not None:  # written on the host: owned by the env's ids as the host has them
+                uid, gid = ids.host(uid), ids.host(gid)
+            fs = RootFS(root, uid=uid, gid=gid)
             try:
                 if op == "read":
                     return fs.read(path, max_bytes=max_bytes) if max_bytes else fs.read(path)
@@ -634,9 +655,9 @@ class EnvManager:
                     fs.write(path, data, mode=mode, make_parents=True)
                     return None
                 if op == "list":
-                    return fs.list(path)
+                    return [env_ids(i) for i in fs.list(path)]
                 if op == "stat":
-                    return fs.stat(path)
+                    return env_ids(fs.stat(path))
                 if op == "mkdir":
                     fs.mkdir(path, parents=True, exist_ok=True, mode=mode if mode != 0o644 else 0o755)
                     return None
@@ -702,11 +723,12 @@ class EnvManager:
             store = self._layout()
             upper = os.path.join(_state.upper_mount(self.envs_dir, env_id), "upper")
             tmp = os.path.join(store.root, "blobs", "sha256", f".commit-{env_id}-{secrets.token_hex(4)}")
+            id_base = self.idmap.base if self.idmap is not None else 0
 
             def seal() -> layerfmt.BuildResult:
                 try:
-                    with open(tmp, "wb") as f:
-                        res = layerfmt.build_layer(upper, f, overlay_upper=True)
+                    with open(tmp, "wb") as f:  # the layer records the env's ids, not the host's
+                        res = layerfmt.build_layer(upper, f, overlay_upper=True, id_base=id_base)
                     final = store.blob_path(res.digest)
                     if os.path.exists(final):
                         os.unlink(tmp)
@@ -730,6 +752,13 @@ class EnvManager:
                 if not copied:
                     log.warning("env %s: commit: copying the upper failed (envs from the snapshot will read it "
                                 "through the envlet): %s", env_id, p.stderr.decode(errors="replace").strip()[-300:])
+                    return
+                try:  # no device node, no capability for host processes in a tree on the host's disk
+                    await trio.to_thread.run_sync(make_tree_inert, tree_tmp, id_base)
+                except (DeviceNodeInTreeError, OSError) as e:
+                    copied = False
+                    log.warning("env %s: commit: no snapshot tree (envs from the snapshot read it through the "
+                                "envlet, nodev): %s", env_id, e)
 
             self._trees_in_progress.add(tree_tmp)
             try:

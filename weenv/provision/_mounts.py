@@ -48,8 +48,10 @@ def overlay_options(lowers_top_first: list[str], upper: str, work: str) -> str:
 
 
 def mount_overlay(target: str, lowers_top_first: list[str], upper: str, work: str) -> None:
+    """The env's rootfs; ``nosuid,nodev`` on the host too: a setuid binary or a device node that an
+    env's layers or upper hold grants nothing to a host process that reaches the mount."""
     os.makedirs(target, mode=0o755, exist_ok=True)
-    _mount("overlay", target, "overlay", 0, overlay_options(lowers_top_first, upper, work))
+    _mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, overlay_options(lowers_top_first, upper, work))
 
 
 def unmount(target: str) -> bool:

@@ -1,0 +1,120 @@
+"""User namespaces for envs: env root is an unprivileged host uid (docs/security.md, "User namespaces").
+
+Every crun env runs in a user namespace of its own mapping env ids 0..65535 to host ids
+``base``..``base+65535`` (one range for the node, :data:`DEFAULT_BASE` = 2^31 by default). The
+range is shared by the node's envs because their lowers are: the envlet has one FUSE mount for
+all envs, FUSE (libfuse 3.14, pyfuse3) cannot be idmapped (mount_setattr(MOUNT_ATTR_IDMAP) is
+EINVAL on it, and on overlayfs itself), so the envlet shows each file owned by ``base + owner``
+(``weenv envlet serve --id-base``) and every env's user namespace maps that range back.
+
+How the pieces fit:
+
+- the env's overlay is mounted by the daemon on the host as before (``nosuid,nodev``); its lowers
+  are owned by host ids of the range (envlet, layer trees, snapshot trees) and its upper is
+  written through the env's namespace, so it holds host ids of the range too;
+- crun's child runs as the env's root (host uid ``base``) while it mounts the rootfs and the
+  bind mounts, so the directories on the way (``$WEENV_HOME``, ``envs``, ``envs/<id>``, the
+  bundle, ``lib``) are ``root:<base> 0710``: traversable by the range's root group, listable by
+  nobody but host root, everything secret in them stays 0600 root;
+- host-side trees are inert: owned by range ids (a setuid bit makes a file setuid to an
+  unprivileged uid), file capabilities are v3 of the range's root (ignored by host processes),
+  and a tree never holds a device node (:func:`make_tree_inert`);
+- commit seals the upper with ``build_layer(id_base=base)``: the layer records the env's ids.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+
+import msgspec
+
+from ..layerfmt._ids import CAPABILITY_XATTR, ID_COUNT, cap_to_host, to_host_id, to_layer_id
+
+DEFAULT_BASE = 1 << 31
+
+
+class DeviceNodeInTreeError(OSError):
+    """A tree that would be stacked from the host's disk holds a device node."""
+
+
+class IdMap(msgspec.Struct, frozen=True, kw_only=True):
+    """Env ids ``0..count-1`` are host ids ``base..base+count-1`` (``base`` 0: no user namespace)."""
+
+    base: int = DEFAULT_BASE
+    count: int = ID_COUNT
+
+    def __post_init__(self) -> None:
+        if not 0 < self.base <= 2**32 - 1 - self.count:
+            raise ValueError(f"user namespace base {self.base} must be between 1 and {2**32 - 1 - self.count}")
+        if self.count != ID_COUNT:
+            raise ValueError(f"user namespace size must be {ID_COUNT}, got {self.count}")
+
+    def host(self, env_id: int) -> int:
+        return to_host_id(env_id, self.base)
+
+    def env(self, host_id: int) -> int:
+        return to_layer_id(host_id, self.base)
+
+
+def apply_userns(spec: dict, idmap: IdMap) -> dict:
+    """The OCI spec with a user namespace mapping the env's ids onto ``idmap``'s host range."""
+    linux = spec.setdefault("linux", {})
+    namespaces = [ns for ns in linux.get("namespaces", []) if ns.get("type") != "user"]
+    linux["namespaces"] = [{"type": "user"}, *namespaces]
+    mapping = [{"containerID": 0, "hostID": idmap.base, "size": idmap.count}]
+    linux["uidMappings"] = mapping
+    linux["gidMappings"] = [dict(m) for m in mapping]
+    return spec
+
+
+def open_path_for_range(paths: Iterable[str], idmap: IdMap) -> None:
+    """``root:<base> 0710`` for each directory, so crun's child (the env's root, host ``base``) can
+    walk through it to the rootfs and bind-mount sources, and list nothing."""
+    for p in paths:
+        st = os.stat(p)
+        if st.st_uid != 0 or st.st_gid != idmap.base:
+            os.chown(p, 0, idmap.base)
+        if stat.S_IMODE(st.st_mode) != 0o710:
+            os.chmod(p, 0o710)
+
+
+def make_tree_inert(root: str, base: int) -> int:
+    """Make a tree copied from an env's upper safe to keep on the host's disk (it becomes an overlay
+    lower of later envs): v2 file capabilities (a copied-up lower's, valid for host processes too)
+    become v3 of the range's root, and a device node (not a whiteout) refuses the whole tree
+    (:class:`DeviceNodeInTreeError`: the layer is then served by the envlet's nodev mount).
+    Owners need nothing: everything the env wrote is owned by range ids. Returns how many
+    capabilities were rewritten. Walks with no-follow calls only."""
+    rewritten = 0
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        with os.scandir(d) as it:
+            for entry in it:
+                st = entry.stat(follow_symlinks=False)
+                m = st.st_mode
+                if (stat.S_ISCHR(m) or stat.S_ISBLK(m)) and st.st_rdev != 0:
+                    raise DeviceNodeInTreeError(f"device node {os.path.relpath(entry.path, root)} "
+                                                f"({os.major(st.st_rdev)}:{os.minor(st.st_rdev)})")
+                if stat.S_ISDIR(m):
+                    stack.append(entry.path)
+                elif stat.S_ISREG(m) and base:
+                    outside = (m & stat.S_ISUID and not base <= st.st_uid < base + ID_COUNT) or (
+                        m & stat.S_ISGID and not base <= st.st_gid < base + ID_COUNT)
+                    if outside:  # never setuid/setgid to a host id outside the range (none should exist)
+                        os.chmod(entry.path, stat.S_IMODE(m) & ~(stat.S_ISUID | stat.S_ISGID))
+                    try:
+                        cap = os.getxattr(entry.path, CAPABILITY_XATTR, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if is_v2_capability(cap):
+                        os.setxattr(entry.path, CAPABILITY_XATTR, cap_to_host(cap, base), follow_symlinks=False)
+                        rewritten += 1
+    return rewritten
+
+
+def is_v2_capability(value: bytes) -> bool:
+    """A ``security.capability`` value that applies in every user namespace, the host's included."""
+    return len(value) >= 4 and value[3] == 0x02
