@@ -152,6 +152,15 @@ def test_processes_are_listed_and_errors_are_typed(daemon):  # noqa: F811
         with pytest.raises(weenv.ApiError) as e:
             env.process(0).info()
         assert e.value.status == 400
+        for bad, where in (({"argv": ["true"], "pty": {"rows": 0}}, "$.pty.rows"),
+                           ({"argv": ["true"], "buffer_bytes": 1 << 30}, "$.buffer_bytes"),
+                           ({"argv": ["true"], "stdin": "yes"}, "$.stdin")):
+            with pytest.raises(weenv.ApiError) as e:
+                c._request("POST", f"/v1/envs/{env.id}/processes", json=bad)
+            assert e.value.status == 400 and where in str(e.value), str(e.value)
+        with pytest.raises(weenv.ApiError) as e:
+            c._request("POST", f"/v1/envs/{env.id}/processes/{a.pid}/stdin", json={"data_b64": "not base64!"})
+        assert e.value.status == 400 and "$.data_b64" in str(e.value)
         a.kill()
         b.kill()
         assert a.wait(timeout_s=10).signal == 9 and b.wait(timeout_s=10).signal == 9  # type: ignore[union-attr]
