@@ -333,3 +333,43 @@ def test_daemon_sigkill_restart_readopts_with_rules_intact(daemon: EgressDaemon)
         assert _info(daemon, env.id)["counters"]["connections_allowed"] >= 2
         env.kill()
     assert weenv_links(daemon.world.table) == []
+
+
+def test_without_an_egress_interface_nothing_leaves_the_node(outside: Outside) -> None:
+    """No --egress-interface: an egress env reaches its node: ports and nothing else, even what it allows."""
+    import trio
+
+    from weenv.net import parse_policy
+    from weenv.net._egress import EgressNetwork
+
+    pid = os.getpid()
+    table, rng = f"wn{pid}", f"10.199.{pid % 256}.0/28"
+    net = EgressNetwork(table=table, egress_range=rng, egress_interfaces=[])
+    env_dir = tempfile.mkdtemp(prefix="wtest-noegress-")
+
+    def connect(ns: str, addr: str, port: int) -> bool:
+        code = f"import socket; socket.create_connection(({addr!r}, {port}), 3).close()"
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True).returncode == 0
+
+    async def scenario() -> None:
+        st = await net.up("lonely-00000000", env_dir, parse_policy([f"{OUT_A}:{PORT}", "node:18090"]))
+        await net.ready("lonely-00000000")
+        server = _Server(st.gateway, 18090)
+        try:
+            assert await trio.to_thread.run_sync(connect, st.netns, st.gateway, 18090)  # node:18090
+            before = (await net.counters())["lonely-00000000"]
+            assert not await trio.to_thread.run_sync(connect, st.netns, OUT_A, PORT)  # allowed, but no way out
+            after = (await net.counters())["lonely-00000000"]
+            assert after["packets_denied"] > before["packets_denied"]  # refused by the rule, not lost on the way
+            assert after["connections_allowed"] == before["connections_allowed"]
+        finally:
+            server.close()
+            assert await net.down("lonely-00000000", env_dir) == []
+            await net.gc()
+
+    try:
+        trio.run(scenario)
+    finally:
+        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
+    assert weenv_links(table) == []
+    assert _addresses_in(rng) == []
