@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import httpx
 from starlette.requests import Request
 
 from .._client import ApiError as DaemonError
@@ -84,3 +86,25 @@ def owned_snapshot(state: ApiState, key: ApiKey, snap_id: str) -> dict[str, Any]
     if rec is not None and (key.admin or rec.get("owner") == key.name):
         return rec
     return None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes ``limit`` (never buffered past it)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, "too_large", f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def relay(resp: httpx.Response) -> AsyncIterator[bytes]:
+    """A daemon answer's body as it comes; the daemon connection is released however the client
+    goes (a disconnect cancels the response task, and a BackgroundTask would then not run)."""
+    try:
+        async for chunk in resp.aiter_raw():
+            yield chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            await resp.aclose()

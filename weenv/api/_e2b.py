@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ._common import (ENVD_VERSION, ApiState, HttpError, daemon_errors, key_of, owned, owned_snapshot, state_of)
+from ._common import (ENVD_VERSION, ApiState, HttpError, daemon_errors, key_of, owned, owned_snapshot, read_body,
+                      state_of)
 from ._store import ApiKey
 
 DEFAULT_TIMEOUT_S = 300
@@ -73,9 +74,7 @@ class SnapshotBody(_Body):
 
 
 async def _decode(request: Request, cls: type[Any]) -> Any:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise HttpError(413, "too_large", f"request body over {MAX_BODY_BYTES} bytes")
+    body = await read_body(request, MAX_BODY_BYTES)
     try:
         return msgspec.json.decode(body or b"{}", type=cls)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:

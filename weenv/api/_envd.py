@@ -29,14 +29,13 @@ from typing import Any
 import anyio
 import httpx
 import msgspec
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .._client import ApiError as DaemonError
 from .._client import AsyncClient, DaemonUnavailableError
-from ._common import ApiState, HttpError, daemon_errors, state_of
+from ._common import ApiState, HttpError, daemon_errors, read_body, relay, state_of
 from ._connect import (STREAM_CONTENT_TYPE, UNARY_CONTENT_TYPE, Code, ConnectError, EnvelopeReader, FramingError,
                        code_for_http_status, end_stream, envelope, error_body)
 
@@ -511,13 +510,10 @@ async def _guarded_iter(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[
 
 
 async def _bounded_body(request: Request) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_RPC_BODY_BYTES:
-            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"request over {MAX_RPC_BODY_BYTES} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await read_body(request, MAX_RPC_BODY_BYTES)
+    except HttpError as e:
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, e.message) from None
 
 
 # -- REST ---------------------------------------------------------------------------------------
@@ -572,9 +568,8 @@ async def files_get(request: Request) -> Response:
             err = {"kind": "error", "message": resp.text}
         raise _rest_error(DaemonError(resp.status_code, err.get("kind", "error"), err.get("message", "")))
     name = posixpath.basename(path)
-    return StreamingResponse(resp.aiter_raw(), 200, media_type="application/octet-stream",
-                             headers={"Content-Disposition": f'attachment; filename="{name}"'},
-                             background=BackgroundTask(resp.aclose))
+    return StreamingResponse(relay(resp), 200, media_type="application/octet-stream",
+                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
 async def _put(view: EnvView, path: str, content: Any) -> dict[str, Any]:

@@ -14,12 +14,11 @@ from typing import Any
 
 import httpx
 import msgspec
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ._common import ApiState, HttpError, daemon_errors, key_of, owned, owned_snapshot, state_of
+from ._common import ApiState, HttpError, daemon_errors, key_of, owned, owned_snapshot, read_body, relay, state_of
 from ._store import ApiKey
 
 _ADMIN_ONLY = {("POST", "gc"), ("GET", "top"), ("GET", "metrics"), ("POST", "daemon/stop")}
@@ -75,9 +74,7 @@ async def proxy(request: Request) -> Response:
                                                   and parts[2] in ("fork", "commit")))
     headers = {h: request.headers[h] for h in _PASS_HEADERS if h in request.headers}
     if method == "POST" and rest == "envs":
-        body = await request.body()
-        if len(body) > MAX_CREATE_BODY_BYTES:
-            raise HttpError(413, "too_large", f"create body over {MAX_CREATE_BODY_BYTES} bytes")
+        body = await read_body(request, MAX_CREATE_BODY_BYTES)
         await _check_create(state, key, body)
         client = state.backend.for_create({})
         content: Any = body
@@ -96,9 +93,8 @@ async def proxy(request: Request) -> Response:
     if not inspect or resp.status_code >= 400:
         if method == "DELETE" and env_id is not None and len(parts) == 2 and resp.status_code < 300:
             _forget(state, env_id)
-        return StreamingResponse(resp.aiter_raw(), resp.status_code,
-                                 headers={h: resp.headers[h] for h in ("content-type",) if h in resp.headers},
-                                 background=BackgroundTask(resp.aclose))
+        return StreamingResponse(relay(resp), resp.status_code,
+                                 headers={h: resp.headers[h] for h in ("content-type",) if h in resp.headers})
     data = await resp.aread()
     await resp.aclose()
     answer = msgspec.json.decode(data)
