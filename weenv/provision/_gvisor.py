@@ -10,7 +10,7 @@ rootfs files for it. What is unchanged from crun, and why it still works:
   from the host (``weenv cp``, the files API) is seen at once inside, and a commit that reads the
   upper from the host sees what the env wrote. gVisor would mount a tmpfs on an empty ``/tmp``;
   the runtime binds the rootfs's own ``/tmp`` there, so /tmp is committed like every other path.
-- cgroups: ``--ignore-cgroups``; as with crun, the ``runsc create`` process is written into the
+- cgroups: ``--ignore-cgroups``; as with crun, the ``runsc run`` process is written into the
   env's groups before it execs (the same shell trampoline), so the gofer and the sandbox (and so
   every process of the env, and the Sentry's memory) are born there. Limits, the elastic monitor
   and the freezer (pause/resume and commit freeze the sandbox whole) act on them unchanged.
@@ -279,7 +279,7 @@ class GvisorRuntime(CrunRuntime):
         log_start = os.fstat(init_log).st_size
         try:
             with _CgroupFds(cgroup_procs) as cg:
-                argv = cg.wrap([*self._base, f"--platform={platform}", "create", "--bundle", bundle_dir, "--pid-file", pid_file,
+                argv = cg.wrap([*self._base, f"--platform={platform}", "run", "--detach", "--bundle", bundle_dir, "--pid-file", pid_file,
                                 "--user-log", log_path, env_id])
                 proc = await trio.run_process(argv, stdin=subprocess.DEVNULL, stdout=init_log, stderr=init_log,
                                               check=False, pass_fds=tuple(cg.fds))
@@ -302,7 +302,7 @@ class GvisorRuntime(CrunRuntime):
                 raise ContainerExistsError("a container with this id already exists", env_id=env_id, detail=detail)
             with trio.CancelScope(shield=True):
                 await self.delete(env_id)
-            raise ContainerError(f"runsc create failed with exit status {proc.returncode}", env_id=env_id, detail=detail)
+            raise ContainerError(f"runsc run failed with exit status {proc.returncode}", env_id=env_id, detail=detail)
         with open(pid_file) as f:
             init_pid = int(f.read().strip())
         self._known[env_id] = (init_pid, spec.get("process", {}))
@@ -310,8 +310,10 @@ class GvisorRuntime(CrunRuntime):
         return init_pid
 
     async def start(self, env_id: str) -> None:
+        """The init already runs (``create`` is ``runsc run --detach``: one runsc process and
+        sandbox round trip fewer than create + start, ~40 ms here; nothing has to happen between
+        the two under gVisor, whose root needs no remount)."""
         await self._lookup(env_id)
-        await self._crun("start", env_id, env_id=env_id)
         self._started.add(env_id)
 
     async def exec(
