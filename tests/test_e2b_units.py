@@ -175,3 +175,15 @@ def test_stream_deadline_ends_with_deadline_exceeded() -> None:
     msgs = asyncio.run(go())
     assert msgs[0] == (0, b'{"start":{}}')
     assert msgs[-1][0] == END_STREAM and json.loads(msgs[-1][1])["error"]["code"] == "deadline_exceeded"
+
+
+def test_egress_policy_keeps_e2bs_meaning() -> None:
+    from weenv.api._e2b import egress_policy
+
+    assert egress_policy(None, None, None) is None
+    assert egress_policy(["1.2.3.4"], ["0.0.0.0/0"], None) == {"mode": "egress", "allow": ["1.2.3.4"], "deny": []}
+    assert egress_policy(None, None, False) == {"mode": "egress", "allow": [], "deny": []}
+    assert egress_policy(None, ["10.0.0.0/8"], None) == {"mode": "egress", "allow": ["0.0.0.0/0"],
+                                                         "deny": ["10.0.0.0/8"]}
+    assert egress_policy(["x.example"], None, True) == {"mode": "egress", "allow": ["0.0.0.0/0", "x.example"],
+                                                        "deny": []}

@@ -148,16 +148,36 @@ def _resolve_template(state: ApiState, key: ApiKey, template: str) -> dict[str, 
     return entry
 
 
+ALL_TRAFFIC = "0.0.0.0/0"
+
+
+def egress_policy(allow_out: list[str] | None, deny_out: list[str] | None,
+                  internet: bool | None) -> dict[str, Any] | None:
+    """E2B's egress options as weenv's ``[network]`` table; None when none is given.
+
+    E2B opens everything by default, ``denyOut`` closes ranges and ``allowOut`` makes exceptions
+    to them (allow wins); ``allow_internet_access=False`` is ``denyOut = [0.0.0.0/0]``. weenv
+    closes everything by default and deny wins over allow, so: all traffic denied -> allow only
+    ``allowOut``; otherwise allow all (``0.0.0.0/0``: never the implicit denies, docs/network.md)
+    and ``allowOut``, deny ``denyOut`` (an ``allowOut`` exception inside a ``denyOut`` range is
+    then still denied)."""
+    if allow_out is None and deny_out is None and internet is None:
+        return None
+    allow, deny = list(allow_out or []), list(deny_out or [])
+    if internet is False and ALL_TRAFFIC not in deny:
+        deny.append(ALL_TRAFFIC)
+    if ALL_TRAFFIC in deny:
+        return {"mode": "egress", "allow": allow, "deny": [d for d in deny if d != ALL_TRAFFIC]}
+    return {"mode": "egress", "allow": [ALL_TRAFFIC, *[a for a in allow if a != ALL_TRAFFIC]], "deny": deny}
+
+
 def _network_table(body: NewSandbox) -> dict[str, Any] | None:
-    """E2B's network options as weenv's ``[network]`` table (None: the plan's own network)."""
     net = body.network or NetworkConfig()
     internet = body.allow_internet_access if body.allow_internet_access is not None else net.allow_internet_access
-    if net.allowOut is None and net.denyOut is None and internet is None:
-        return None
-    if internet is False and not net.allowOut:
-        return {"mode": "none"}
-    allow = list(net.allowOut or []) or (["0.0.0.0/0"] if internet else [])
-    return {"mode": "egress", "allow": allow, "deny": list(net.denyOut or [])}
+    policy = egress_policy(net.allowOut, net.denyOut, internet)
+    if policy is not None and not policy["allow"]:
+        return {"mode": "none"}  # nothing may go out: no interface at all
+    return policy
 
 
 def _create_request(entry: dict[str, str], body: NewSandbox, timeout_s: int | None) -> dict[str, Any]:
@@ -450,11 +470,11 @@ async def update_network(request: Request) -> Response:
                         "options, or from a template whose plan has network.mode = \"egress\")")
     policy = net.get("policy") or {}
     old = set(policy.get("allow") or []) | set(policy.get("deny") or [])
-    allow = list(body.allowOut or [])
-    if body.allow_internet_access and not allow:
-        allow = ["0.0.0.0/0"]
-    deny = list(body.denyOut or [])
-    change = {"allow": allow, "deny": deny, "remove": sorted(old - set(allow) - set(deny))}
+    # fields left out are cleared (E2B's default: everything open)
+    wanted = egress_policy(body.allowOut, body.denyOut, body.allow_internet_access) or \
+        {"allow": [ALL_TRAFFIC], "deny": []}
+    change = {"allow": wanted["allow"], "deny": wanted["deny"],
+              "remove": sorted(old - set(wanted["allow"]) - set(wanted["deny"]))}
     async with daemon_errors():
         await state.backend.for_env(env_id)._request("POST", f"/v1/envs/{env_id}/network", json=change)
     return _no_content()
