@@ -307,7 +307,7 @@ def test_conformance_process_handles(runtime_env):  # type: ignore[no-untyped-de
         return out, stream.end
 
     async def main() -> None:
-        cat = await rt.start_process(env_id, ["cat"], stdin=True, tag="t")
+        cat = await rt.start_process(env_id, ["cat"], stdin=True, tag="t", env={"SHOWN": "1"})
         assert cat.pid > 0
         await rt.send_stdin(env_id, cat.pid, b"hi\n")
         with trio.fail_after(10):
@@ -335,6 +335,7 @@ def test_conformance_process_handles(runtime_env):  # type: ignore[no-untyped-de
         assert b"10 40" in out and end is not None and end.exit_code == 0
         infos = {p.pid: p for p in await rt.list_processes(env_id)}
         assert infos[cat.pid].tag == "t" and infos[cat.pid].argv == ["cat"] and not infos[cat.pid].running
+        assert infos[cat.pid].env == {"SHOWN": "1"}  # what was asked for, not the env's whole environment
         assert infos[sleeper.pid].end is not None and infos[sleeper.pid].end.signal == 15
         with pytest.raises(ProcessNotFoundError):
             await rt.connect_process(env_id, 123456)

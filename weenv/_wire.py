@@ -394,6 +394,8 @@ class ProcessInfo(ResponseBody, kw_only=True):
     pid: int
     """The pid inside the env."""
     argv: list[str] = []
+    env: dict[str, str] = {}
+    """The variables given at start (laid over the env's own environment)."""
     cwd: str | None = None
     tag: str | None = None
     pty: bool = False

@@ -306,17 +306,22 @@ async def agent_start(
     socket_path: str, argv: Sequence[str], *, env: Sequence[str], cwd: str, uid: int, gid: int,
     groups: Sequence[int], stdin: bool | bytes, env_id: str, background: bool = True,
     pty: tuple[int, int] | None = None, tag: str | None = None, buffer_bytes: int | None = None,
-    connect_deadline_s: float = 5.0,
+    shown_env: Sequence[str] = (), connect_deadline_s: float = 5.0,
 ) -> AgentProcess:
     """Start ``argv`` through the agent; returns the attached :class:`AgentProcess` once it runs.
 
     ``stdin``: True keeps it open, bytes are written and then closed, False gives /dev/null.
-    Raises :class:`ProcessStartError` when the command cannot start (``not_found`` for a
-    command the env does not have)."""
+    ``shown_env`` (NAME=VALUE) is what a listing shows as its environment (the variables the
+    caller asked for, not the env's whole environment). Raises :class:`ProcessStartError` when the
+    command cannot start (``not_found`` for a command the env does not have)."""
     request = _request(argv, env, cwd, uid, gid, groups, env_id, stdin="1" if stdin is not False else "0",
                        background="1" if background else None, pty="1" if pty else None,
                        rows=str(pty[0]) if pty else None, cols=str(pty[1]) if pty else None, tag=tag,
                        buffer=str(buffer_bytes) if buffer_bytes else None)
+    shown = [f"shown_env\0{e}\0" for e in shown_env]
+    if any("\0" in e for e in shown_env):
+        raise ContainerError("env must not contain NUL bytes", env_id=env_id)
+    request += "".join(shown).encode("utf-8", "surrogateescape")
     stream, buf = await _open(socket_path, env_id, connect_deadline_s)
     try:
         msg = _frame(b"R", request)
@@ -406,9 +411,13 @@ async def agent_list(socket_path: str, *, env_id: str, connect_deadline_s: float
                 continue
             d: dict[str, str] = {}
             argv: list[str] = []
+            shown: dict[str, str] = {}
             for k, v in _kv(frame[1]):
                 if k == "arg":
                     argv.append(v)
+                elif k == "env":
+                    name, _, value = v.partition("=")
+                    shown[name] = value
                 else:
                     d[k] = v
             running = d.get("state") == "running"
@@ -416,7 +425,7 @@ async def agent_list(socket_path: str, *, env_id: str, connect_deadline_s: float
             if not running:
                 end = _end(f"{d.get('code', '255')} {d.get('signal', '')}".encode())
             out.append(wire.ProcessInfo(
-                pid=int(d["pid"]), argv=argv, cwd=d.get("cwd"), tag=d.get("tag"), pty=d.get("pty") == "1",
+                pid=int(d["pid"]), argv=argv, env=shown, cwd=d.get("cwd"), tag=d.get("tag"), pty=d.get("pty") == "1",
                 background=d.get("background") == "1", stdin=d.get("stdin") == "1", running=running, end=end,
                 buffered_bytes=int(d.get("buffered", "0")), dropped_bytes=int(d.get("dropped", "0"))))
     return out

@@ -717,7 +717,8 @@ class CrunRuntime(Runtime):
         who = process["user"]
         return await agent_start(sock, process["args"], env=process["env"], cwd=process["cwd"], uid=who["uid"],
                                  gid=who["gid"], groups=who.get("additionalGids", ()), stdin=stdin, env_id=env_id,
-                                 background=True, pty=pty, tag=tag, buffer_bytes=buffer_bytes)
+                                 background=True, pty=pty, tag=tag, buffer_bytes=buffer_bytes,
+                                 shown_env=[f"{k}={v}" for k, v in (env or {}).items()])
 
     async def connect_process(self, env_id: str, pid: int) -> ProcessStream:
         sock, _base, _user = await self._agent_socket(env_id)

@@ -209,7 +209,7 @@ class FakeRuntime(Runtime):
         self._next_proc_pid += 1
         proc_env = dict(kv.split("=", 1) for kv in c["spec"].get("process", {}).get("env", []))
         proc_env.update(env or {})
-        p = _FakeProcess(self._next_proc_pid, argv, tag=tag, pty=pty, stdin=bool(stdin) or pty is not None,
+        p = _FakeProcess(self._next_proc_pid, argv, env=dict(env or {}), tag=tag, pty=pty, stdin=bool(stdin) or pty is not None,
                          buffer_bytes=buffer_bytes or (1 << 20), cwd=cwd or c["spec"].get("process", {}).get("cwd", "/"))
         self.processes.setdefault(env_id, {})[p.pid] = p
         stream = p.attach()
@@ -306,8 +306,9 @@ class FakeRuntime(Runtime):
 
 
 class _FakeProcess:
-    def __init__(self, pid: int, argv: list[str], *, tag, pty, stdin: bool, buffer_bytes: int, cwd: str):  # type: ignore[no-untyped-def]
-        self.pid, self.argv, self.tag, self.pty, self.stdin, self.cwd = pid, argv, tag, pty, stdin, cwd
+    def __init__(self, pid: int, argv: list[str], *, env: dict[str, str], tag, pty, stdin: bool,  # type: ignore[no-untyped-def]
+                 buffer_bytes: int, cwd: str):
+        self.pid, self.argv, self.env, self.tag, self.pty, self.stdin, self.cwd = pid, argv, env, tag, pty, stdin, cwd
         self.stdin_tx, self.stdin_rx = trio.open_memory_channel[bytes](math.inf)
         if not stdin:
             self.stdin_tx.close()
@@ -361,7 +362,7 @@ class _FakeProcess:
         self.ended.set()
 
     def info(self) -> wire.ProcessInfo:
-        return wire.ProcessInfo(pid=self.pid, argv=list(self.argv), cwd=self.cwd, tag=self.tag, pty=self.pty is not None,
+        return wire.ProcessInfo(pid=self.pid, argv=list(self.argv), env=dict(self.env), cwd=self.cwd, tag=self.tag, pty=self.pty is not None,
                                 stdin=self.stdin and not self.stdin_closed and self.end is None,
                                 running=self.end is None, end=self.end, buffered_bytes=self.kept_bytes,
                                 dropped_bytes=self.dropped)

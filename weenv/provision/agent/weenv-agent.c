@@ -31,7 +31,8 @@
  *                        env (repeated, NAME=VALUE), cwd, uid, gid, group (repeated), stdin ("1": frames
  *                        follow), background ("1": the command outlives this connection), pty ("1": on
  *                        a pseudo-terminal, size rows x cols), rows, cols, tag (a label for 'L'),
- *                        buffer (bytes of output kept while nobody reads, background only)
+ *                        buffer (bytes of output kept while nobody reads, background only),
+ *                        shown_env (repeated NAME=VALUE: what 'L' shows as the command's env)
  *                    'A' attach to a running or finished command: keys pid, output ("1": send its
  *                        output, first what was kept while nobody read; "0": control only)
  *                    'L' list the commands (one 'L' frame each, then the agent closes)
@@ -45,7 +46,8 @@
  *                    'F' could not start (payload: "errno*10+stage message"; stage 4: no such pid)
  *                    'X' finished (payload: exit code, 128+N for signal N, then " N" when signal N ended it)
  *                    'L' one command: key/value strings pid, tag, pty, background, stdin, state
- *                        (running | exited), code, signal, buffered, dropped, arg (repeated), cwd
+ *                        (running | exited), code, signal, buffered, dropped, arg (repeated), cwd,
+ *                        env (repeated)
  * Closing a one-shot command's 'R' connection while it runs kills the command's whole session; a
  * background command runs on, and its output is kept (the newest `buffer` bytes, whole frames) until
  * an 'A' connection reads it. The last MAX_KEPT finished background commands stay listed.
@@ -415,8 +417,9 @@ static void info_add(char *info, uint32_t *len, const char *k, const char *v) {
 static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
     char *argv[MAX_ARGS + 1];
     char *envp[MAX_ARGS + 1];
+    char *shown[MAX_ARGS];
     gid_t groups[MAX_GROUPS];
-    int argc = 0, envc = 0, ngroups = 0, want_stdin = 0, background = 0, pty = 0;
+    int argc = 0, envc = 0, nshown = 0, ngroups = 0, want_stdin = 0, background = 0, pty = 0;
     char *cwd = NULL, *tag = NULL;
     long uid = 0, gid = 0, rows = 24, cols = 80, buffer = DEFAULT_BUFFER;
     char *p = (char *)req, *end = (char *)req + len;
@@ -442,6 +445,7 @@ static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
         else if (!strcmp(key, "rows")) rows = strtol(val, NULL, 10);
         else if (!strcmp(key, "cols")) cols = strtol(val, NULL, 10);
         else if (!strcmp(key, "tag")) tag = val;
+        else if (!strcmp(key, "shown_env") && nshown < MAX_ARGS) shown[nshown++] = val;
         else if (!strcmp(key, "buffer")) buffer = strtol(val, NULL, 10);
     }
     argv[argc] = NULL;
@@ -542,6 +546,7 @@ static int start_command(struct conn *c, unsigned char *req, uint32_t len) {
         if (tag) info_add(pr->info, &pr->info_len, "tag", tag);
         for (int i = 0; i < argc; i++) info_add(pr->info, &pr->info_len, "arg", argv[i]);
         if (cwd) info_add(pr->info, &pr->info_len, "cwd", cwd);
+        for (int i = 0; i < nshown; i++) info_add(pr->info, &pr->info_len, "env", shown[i]);
     }
     c->proc = pi;
     c->role = pr->background ? ROLE_READER : ROLE_OWNER;
