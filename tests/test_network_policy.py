@@ -14,8 +14,8 @@ import pytest
 
 from weenv.net import PolicyError, parse_bandwidth, parse_entry, parse_policy
 from weenv.net._dns import answer
-from weenv.net._nft import (EnvWiring, env_counters, parse_table, render_base, render_env, render_env_delete,
-                            render_policy_change, stale_elements)
+from weenv.net._nft import (EnvWiring, env_counters, full_state, parse_table, render_base, render_env,
+                            render_env_delete, render_policy_change, stale_elements)
 from weenv.net._policy import Resolved, change_policy, free_slot, parse_range, slot, slot_count
 from weenv.plan import PlanValidationError, dump_plan, load_plan, plan_json_schema
 from weenv.plan._model import network_policy
@@ -186,6 +186,14 @@ def test_parse_table_and_delete_only_what_exists() -> None:
     assert "delete chain inet t o_e0123456789" in lines and "delete chain inet t b_e0123456789" not in lines
     assert "delete counter inet t e0123456789_in" in lines and "delete counter inet t e0123456789_out" not in lines
     assert stale_elements(st, {"wv0123456789"}) == ["wvdead"]
+    # the usual kill: everything render_env made, deleted in one transaction without a listing
+    everything = render_env_delete("t", "e0123456789", "wv0123456789", full_state("e0123456789", "wv0123456789"))
+    made = render_env("t", WIRING, parse_policy(["198.18.0.1"]), Resolved(), RANGE)
+    for kind in ("chain", "counter"):
+        created = {line.split()[-1] for line in made.splitlines() if line.startswith(f"add {kind} ")}
+        deleted = {line.split()[-1] for line in everything.splitlines() if line.startswith(f"delete {kind} ")}
+        assert created == deleted, kind
+    assert everything.count("delete element") == 4
     assert parse_table("").chains == set()
 
 

@@ -84,6 +84,16 @@ def list_table(table: str) -> str:
         raise
 
 
+def list_counters(table: str) -> str:
+    """``nft -j list counters table inet <table>``: the accounting alone ("" without the table)."""
+    try:
+        return nft(f"list counters table inet {table}", json_output=True, what="list counters")
+    except NetError as e:
+        if "No such file or directory" in str(e) or "does not exist" in str(e):
+            return ""
+        raise
+
+
 def delete_table(table: str) -> None:
     if list_table(table):
         nft(f"delete table inet {table}", what="delete table")

@@ -217,6 +217,14 @@ def render_env_delete(table: str, key: str, veth: str, state: TableState) -> str
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def full_state(key: str, veth: str) -> TableState:
+    """The state :func:`render_env` leaves: deleting against it assumes everything is there (one
+    transaction, no listing; if something is missing it fails as a whole and nothing changes)."""
+    return TableState(chains={f"{c}_{key}" for c in ("o", "i", "b")},
+                      counters={f"{key}_{c}": (0, 0) for c in COUNTERS},
+                      elements={m: {veth} for m in ("env_out", "env_in", "env_back", "envs")})
+
+
 def stale_elements(state: TableState, live_veths: set[str]) -> list[str]:
     """Map entries naming a veth no live env owns (a daemon died between steps)."""
     return sorted({k for m in ("env_out", "env_in", "env_back", "envs") for k in state.elements.get(m, set())}
