@@ -116,6 +116,10 @@ def test_a_pty_is_a_terminal_and_can_be_resized(daemon):  # noqa: F811
         proc.send_stdin("\n")
         out, end, _ = _output(proc.events())
         assert b"30 100" in out and end is not None and end.exit_code == 0
+        # a non-root user's terminal is its own (it can reopen /dev/tty)
+        mine = env.spawn(["sh", "-c", "id -u; echo ok > /dev/tty"], pty=(24, 80), user="user", cwd="/tmp")
+        out, end, _ = _output(mine.events())
+        assert out.split() == [b"1000", b"ok"] and end is not None and end.exit_code == 0
         plain = env.spawn(["sleep", "30"])
         with pytest.raises(weenv.ApiError, match="pty") as e:
             plain.resize(5, 5)
