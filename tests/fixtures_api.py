@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -61,24 +62,28 @@ def weenv_serve(weenv_daemon: DaemonHandle) -> Iterator[Served]:
         stop_serve(served)
 
 
-def start_serve(weenv_daemon: DaemonHandle, keys: dict[str, str]) -> Served:
-    """A ``weenv serve`` process on a free port of 127.0.0.1, once it answers."""
+def start_serve(weenv_daemon: DaemonHandle, keys: dict[str, str], *, tls: tuple[str, str] | None = None,
+                ca: str | None = None) -> Served:
+    """A ``weenv serve`` process on a free port of 127.0.0.1, once it answers (``tls``: cert and key
+    files, ``ca``: what signed the cert)."""
     port = _free_port()
     log_path = os.path.join(weenv_daemon.home, "serve.log")
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "weenv", "serve", "--listen", f"127.0.0.1:{port}",
-                             "--socket", weenv_daemon.socket, "--domain", "weenv.test"],
+                             "--socket", weenv_daemon.socket, "--domain", "weenv.test",
+                             *(["--tls-cert", tls[0], "--tls-key", tls[1]] if tls else [])],
                             env=weenv_daemon.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             start_new_session=True)
     log.close()
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     served = Served(url, weenv_daemon.home, keys, weenv_daemon, log_path, proc)
     deadline = time.monotonic() + 30
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"weenv serve exited with {proc.returncode}:\n{served.log()[-3000:]}")
         try:
-            if httpx.get(url + "/v1/ping", headers={"Authorization": f"Bearer {keys['root']}"}, timeout=2).status_code == 200:
+            if httpx.get(url + "/v1/ping", headers={"Authorization": f"Bearer {keys['root']}"}, timeout=2,
+                         verify=ssl.create_default_context(cafile=ca or tls[0]) if tls else True).status_code == 200:
                 break
         except httpx.TransportError:
             pass

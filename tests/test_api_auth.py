@@ -172,3 +172,36 @@ def test_ownership_survives_a_restart(served: Served) -> None:
     finally:
         stop_serve(second)
         sbx.kill()
+
+
+def test_tls(served: Served, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    import ssl
+
+    ca, ca_key = str(tmp_path / "ca.pem"), str(tmp_path / "ca.key")
+    cert, key, csr = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem"), str(tmp_path / "cert.csr")
+    ext = tmp_path / "ext.cnf"
+    ext.write_text("basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    for argv in (["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+                  "-subj", "/CN=weenv test CA"],
+                 ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                  "-days", "1", "-extfile", str(ext)]):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True)
+    secure = start_serve(served.daemon, served.keys, tls=(cert, key), ca=ca)
+    try:
+        assert secure.url.startswith("https://")
+        with httpx.Client(verify=ssl.create_default_context(cafile=ca)) as c:
+            r = c.get(secure.url + "/v1/ping", headers={"Authorization": f"Bearer {served.keys['alice']}"})
+            assert r.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
+            httpx.get(secure.url + "/v1/ping")
+        monkeypatch.setenv("SSL_CERT_FILE", ca)  # how both clients are told to trust it
+        with weenv.Client(secure.url, token=served.keys["alice"]) as c:
+            assert c.ping()["pid"] > 0
+        sbx = e2b.Sandbox.create("bb", timeout=60, api_url=secure.url, sandbox_url=secure.url)
+        try:
+            assert sbx.commands.run("echo over-tls").stdout == "over-tls\n"
+        finally:
+            sbx.kill()
+    finally:
+        stop_serve(secure)
