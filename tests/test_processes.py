@@ -394,3 +394,21 @@ def test_fake_runtime_process_handles():
         assert events[0].dropped == 40 and [e.data_b64 for e in events if e.data_b64] == [b"0123456789"]
 
     trio.run(main)
+
+
+def test_the_quickstart_process_example_runs(daemon):  # noqa: F811
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "quickstart.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "env.spawn(" in b)
+    for old, new in ((' ["python", "-m", "http.server"]', ' ["sh", "-c", "while true; do sleep 1; done"]'),
+                     ('["python", "-i"]', '["sh", "-i"]'), ('"print(6 * 7)\\n"', '"echo $((6 * 7))\\n"'),
+                     ("print(later.wait())", "END = later.wait()")):
+        assert old in code, old
+        code = code.replace(old, new)
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        scope: dict = {"env": env}
+        exec(compile(code, "quickstart.md", "exec"), scope)
+        assert scope["END"] == wire.ProcessEnd(exit_code=143, signal=15, status="signal: terminated")
+        scope["repl"].kill()
