@@ -402,7 +402,7 @@ def test_the_quickstart_process_example_runs(daemon):  # noqa: F811
 
     doc = (Path(__file__).parent.parent / "docs" / "quickstart.md").read_text()
     code = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "env.spawn(" in b)
-    for old, new in ((' ["python", "-m", "http.server"]', ' ["sh", "-c", "while true; do sleep 1; done"]'),
+    for old, new in (('["python", "-m", "http.server"]', '["sh", "-c", "while true; do sleep 1; done"]'),
                      ('["python", "-i"]', '["sh", "-i"]'), ('"print(6 * 7)\\n"', '"echo $((6 * 7))\\n"'),
                      ("print(later.wait())", "END = later.wait()")):
         assert old in code, old
