@@ -13,26 +13,44 @@ from ._errors import (
     PlacementError,
     UnknownEnvError,
 )
+from ._agent import NodeAgent, agent_class, agent_name, load_published, node_name_for
+from ._cluster import Backend, Cluster, ClusterEnv, NodeClient, connect
 from ._placement import Choice, ClusterView, PlacementRequest, place, place_group, rank, request_for
+from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconciler
 from ._report import Capacity, EnvHeld, LayerHeld, NodeReport, SnapshotHeld, capacity_from_top, node_of
 
 __all__ = [
     "AgentError",
+    "AgentHandle",
+    "Backend",
     "Capacity",
     "Choice",
+    "Cluster",
     "ClusterAuthError",
+    "ClusterEnv",
     "ClusterError",
     "ClusterView",
     "EnvHeld",
     "EnvLostError",
     "LayerHeld",
+    "NodeAgent",
+    "NodeClient",
+    "NodeEntry",
     "NodeLostError",
     "NodeReport",
+    "NodeState",
+    "PendingCall",
     "PlacementError",
     "PlacementRequest",
+    "Reconciler",
     "SnapshotHeld",
     "UnknownEnvError",
+    "agent_class",
+    "agent_name",
     "capacity_from_top",
+    "connect",
+    "load_published",
+    "node_name_for",
     "node_of",
     "place",
     "place_group",

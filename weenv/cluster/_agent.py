@@ -1,0 +1,354 @@
+"""The node agent: one Ray actor per Ray node, in front of that node's weenv daemon.
+
+It runs on its node (hard node affinity), so everything it touches is local: it starts the
+node's daemon or attaches to the one that answers on ``$WEENV_HOME/run/weenv.sock`` (the home is
+the Ray node's own environment: ``WEENV_HOME=/tmp/n2 ray start --address …``), forwards API calls
+to it, and keeps a fresh :class:`~weenv.cluster.NodeReport` (refreshed every ``report_interval_s``
+by a thread of its own, so a report call never waits on the daemon).
+
+Every call but :meth:`NodeAgent.hello` carries the cluster token; the agent compares it (as a
+SHA-256 digest, in constant time) with the node's own (``$WEENV_CLUSTER_TOKEN`` or
+``$WEENV_HOME/cluster.token``) or, without one, the token of whoever created the agent.
+
+This module imports Ray only inside :func:`agent_class` and the runtime-context lookup: the class
+itself is a plain object (Ray wraps it), and unit tests drive it without a cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import httpx
+import msgspec
+
+from .. import _home
+from ._errors import ClusterAuthError, ClusterError
+from ._report import Capacity, LayerHeld, NodeReport, capacity_from_top, envs_from, snapshots_from
+
+log = logging.getLogger("weenv.cluster")
+
+ANN_SNAPSHOT_LOCK = "dev.weenv.snapshot.lock"  # on a published snapshot's top manifest: the lock to start it
+AGENT_NAMESPACE = "weenv"
+_MAX_SEEN = 4096
+
+
+def agent_name(ray_node_id: str) -> str:
+    """The agent's Ray actor name: one per Ray node, named from its id (get-or-create)."""
+    return f"weenv-agent-{ray_node_id[:16]}"
+
+
+def node_name_for(ray_node_id: str) -> str:
+    """The node's short name (env ids start with it): ``n`` + the first 8 hex digits of its Ray id."""
+    return "n" + ray_node_id[:8].lower()
+
+
+def token_digest(token: str | None) -> str | None:
+    return None if not token else hashlib.sha256(token.encode()).hexdigest()
+
+
+def _node_token(home: str) -> str | None:
+    token = os.environ.get("WEENV_CLUSTER_TOKEN", "").strip()
+    if token:
+        return token
+    try:
+        with open(os.path.join(home, "cluster.token")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+class NodeAgent:
+    """One node's agent (wrapped as a Ray actor by :func:`agent_class`)."""
+
+    def __init__(self, *, token_sha256: str | None, report_interval_s: float = 2.0, node_name: str | None = None,
+                 cgroup_root: str | None = None, ray_node_id: str | None = None, start_daemon: bool = True,
+                 daemon_start_timeout_s: float = 60.0):
+        self.home = _home.home()
+        self.ray_node_id = ray_node_id or _current_ray_node_id()
+        self.node = node_name or os.environ.get("WEENV_NODE_NAME") or node_name_for(self.ray_node_id)
+        self.cgroup_root = cgroup_root or os.environ.get("WEENV_CGROUP_ROOT") or f"weenv-{self.node}"
+        own = token_digest(_node_token(self.home))
+        self._token = own or token_sha256
+        self.socket = os.path.join(self.home, "run", "weenv.sock")
+        self.report_interval_s = report_interval_s
+        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), base_url="http://weenv",
+                                  timeout=httpx.Timeout(30.0, connect=5.0))
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[str, int] = OrderedDict()  # layers started here: digest -> size (LRU)
+        self._seq = 0
+        self._report: NodeReport | None = None
+        self._stop = threading.Event()
+        self.daemon_pid = 0
+        self.started_daemon = False
+        self._daemon_proc: subprocess.Popen[bytes] | None = None
+        if start_daemon:
+            self._ensure_daemon(daemon_start_timeout_s)
+        self._refresh()
+        self._thread = threading.Thread(target=self._loop, name="weenv-agent-report", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ daemon
+
+    def _ping(self) -> dict[str, Any] | None:
+        try:
+            resp = self._http.get("/v1/ping", timeout=5.0)
+            return resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _ensure_daemon(self, timeout_s: float) -> None:
+        """Attach to the daemon that answers, or start one (own session: it outlives the agent, and
+        envs outlive both)."""
+        ping = self._ping()
+        if ping is None:
+            os.makedirs(self.home, exist_ok=True)
+            log_path = os.path.join(self.home, "cluster-daemon.log")
+            with open(log_path, "ab") as out:
+                self._daemon_proc = subprocess.Popen(
+                    [sys.executable, "-m", "weenv", "daemon", "--cgroup-root", self.cgroup_root,
+                     "--node-name", self.node],
+                    env={**os.environ, "WEENV_HOME": self.home}, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                    start_new_session=True)
+            self.started_daemon = True
+            deadline = time.monotonic() + timeout_s
+            while (ping := self._ping()) is None:
+                if self._daemon_proc.poll() is not None or time.monotonic() > deadline:
+                    with open(log_path, errors="replace") as f:
+                        tail = f.read()[-2000:]
+                    raise ClusterError(f"node {self.node}: the weenv daemon (home {self.home}) did not start: {tail}")
+                time.sleep(0.1)
+            log.info("node %s: started the weenv daemon (pid %s, home %s)", self.node, ping["pid"], self.home)
+        self.daemon_pid = int(ping["pid"])
+
+    # ------------------------------------------------------------------ reports
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.report_interval_s):
+            try:
+                self._refresh()
+            except Exception:  # the next round tries again; the report says what failed
+                log.exception("node %s: report failed", self.node)
+
+    def _get(self, path: str) -> Any:
+        resp = self._http.get(path, timeout=10.0)
+        resp.raise_for_status()
+        return resp.json()
+
+    def _note_layers(self, layers: list[tuple[str, int]]) -> None:
+        with self._lock:
+            for digest, size in layers:
+                self._seen[digest] = size
+                self._seen.move_to_end(digest)
+            while len(self._seen) > _MAX_SEEN:
+                self._seen.popitem(last=False)
+
+    def _refresh(self) -> None:
+        problem = ""
+        healthy = True
+        capacity = Capacity(cpu_cores=0.0, memory_total_bytes=0, memory_guaranteed_bytes=0, memory_headroom_bytes=0)
+        envs, snaps = [], []
+        layers: dict[str, LayerHeld] = {}
+        l2_capacity = None
+        try:
+            ping = self._get("/v1/ping")
+            self.daemon_pid = int(ping["pid"])
+            top = self._get("/v1/top")
+            envs = envs_from(self._get("/v1/envs"))
+            snaps = snapshots_from(self._get("/v1/snapshots"))
+            capacity = capacity_from_top(top, envs=len(envs))
+        except (httpx.HTTPError, ValueError, KeyError, ClusterError) as e:
+            healthy, problem = False, f"daemon at {self.socket}: {e}"
+        try:
+            from ..envlet import EnvletClient
+
+            envlet = EnvletClient(os.path.join(self.home, "run", "envlet.sock"))
+            registered = envlet.list()
+            l2_capacity = envlet.stats().get("l2_capacity_bytes")
+            self._note_layers([(x.digest, x.size) for x in registered])
+            for x in registered:
+                layers[x.digest] = LayerHeld(digest=x.digest, size_bytes=x.size, where="envlet")
+        except Exception as e:
+            healthy, problem = False, problem or f"envlet: {e}"
+        for sub, where in (("layer-trees", "tree"), ("snapshot-trees", "snapshot")):
+            for digest, size in _trees(os.path.join(self.home, sub)):
+                layers.setdefault(digest, LayerHeld(digest=digest, size_bytes=size, where=where))  # type: ignore[arg-type]
+        with self._lock:
+            seen = list(self._seen.items())
+        budget = l2_capacity if isinstance(l2_capacity, int) else None
+        for digest, size in reversed(seen):  # the newest first, within the disk cache's bound
+            if budget is not None:
+                budget -= size
+                if budget < 0:
+                    break
+            layers.setdefault(digest, LayerHeld(digest=digest, size_bytes=size, where="seen"))
+        with self._lock:
+            self._seq += 1
+            self._report = NodeReport(
+                node=self.node, ray_node_id=self.ray_node_id, seq=self._seq, taken_s=time.time(), healthy=healthy,
+                accepting=healthy, problem=problem, home=self.home, daemon_address=f"unix://{self.socket}",
+                daemon_pid=self.daemon_pid, capacity=capacity, layers=list(layers.values()), snapshots=snaps,
+                envs=envs)
+
+    # ------------------------------------------------------------------ calls (all but hello need the token)
+
+    def _check(self, token: str | None) -> None:
+        want = self._token
+        got = token_digest(token)
+        if want is None:
+            return  # an open agent: only when neither the node nor its creator set a token
+        if got is None or not hmac.compare_digest(want, got):
+            raise ClusterAuthError(f"node {self.node}: a call without the right cluster token was refused")
+
+    def hello(self) -> dict[str, Any]:
+        """Who this agent is (no token needed: it says nothing about envs)."""
+        return {"node": self.node, "ray_node_id": self.ray_node_id, "home": self.home, "pid": os.getpid(),
+                "cgroup_root": self.cgroup_root, "started_daemon": self.started_daemon,
+                "daemon_pid": self.daemon_pid, "token_required": self._token is not None}
+
+    def report(self, token: str | None) -> NodeReport:
+        self._check(token)
+        with self._lock:
+            assert self._report is not None
+            return self._report
+
+    def request(self, token: str | None, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
+                params: dict[str, str] | None = None, timeout_s: float | None = None) -> tuple[int, str, bytes]:
+        """Forward one API call to the node's daemon: ``(status, content type, body)``."""
+        self._check(token)
+        if not path.startswith("/v1/") or ".." in path:
+            raise ClusterError(f"node {self.node}: {path!r} is not a /v1 API path")
+        timeout = httpx.Timeout(timeout_s or 300.0, connect=5.0)
+        resp = self._http.request(method, path, json=json_body, content=content, params=params, timeout=timeout)
+        if method == "POST" and path == "/v1/envs" and resp.status_code == 201 and isinstance(json_body, dict):
+            groups = (json_body.get("plan") or {}).get("groups") or []
+            self._note_layers([(g["layer_digest"], int(g["layer_size"])) for g in groups
+                               if isinstance(g, dict) and "layer_digest" in g])
+        changes = ((method == "POST" and (path == "/v1/envs" or path.endswith(("/fork", "/commit"))))
+                   or (method == "DELETE" and path.startswith("/v1/envs/") and path.count("/") == 3))
+        if resp.status_code < 300 and changes:
+            # what placement reads changed (an env more or less): the next report says so at once
+            try:
+                self._refresh()
+            except Exception:
+                log.exception("node %s: report after %s %s failed", self.node, method, path)
+        return resp.status_code, resp.headers.get("content-type", ""), resp.content
+
+    def publish_snapshot(self, token: str | None, snapshot_id: str, repo: str) -> dict[str, Any]:
+        """Push every layer of a snapshot held here to ``repo`` (``host[:port]/name``, the cluster's
+        store) and tag ``repo:<snapshot id>`` with the lock that starts it on any node."""
+        self._check(token)
+        return publish_snapshot(self._get(f"/v1/snapshots/{snapshot_id}"), repo, home=self.home, node=self.node)
+
+    def stop(self, token: str | None, *, stop_daemon: bool = False, kill_envs: bool = False) -> dict[str, Any]:
+        """Stop reporting; with ``stop_daemon`` also stop the daemon (its envs too with ``kill_envs``)."""
+        self._check(token)
+        self._stop.set()
+        if stop_daemon:
+            try:
+                self._http.post("/v1/daemon/stop", json={"kill_envs": kill_envs}, timeout=30.0)
+            except httpx.HTTPError as e:
+                return {"node": self.node, "stopped": False, "error": str(e)}
+        return {"node": self.node, "stopped": True, "daemon_pid": self.daemon_pid}
+
+
+def _trees(root: str) -> list[tuple[str, int]]:
+    """Layer trees kept as directories: ``<root>/sha256-<hex>`` with their ``.size`` (or du) files."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith(".") or name.endswith(".size") or not name.startswith("sha256-"):
+            continue
+        size = 0
+        try:
+            with open(os.path.join(root, name + ".size")) as f:
+                size = int(f.read())
+        except (OSError, ValueError):
+            pass
+        out.append(("sha256:" + name[len("sha256-"):], size))
+    return out
+
+
+def publish_snapshot(detail: dict[str, Any], repo: str, *, home: str, node: str) -> dict[str, Any]:
+    """Publish a snapshot (``GET /v1/snapshots/{id}``'s answer, its layers in ``home``'s embedded store)."""
+    from ..plan import Lock, plan_from_builtins
+    from ..registry import LayoutStore, parse_ref, publish_layer_file
+
+    snap_id = detail["id"]
+    lock = dict(detail["lock"])
+    local = [g.get("name") for g in lock.get("groups", []) if not g.get("registry")]
+    if local:
+        raise ClusterError(f"snapshot {snap_id} on node {node}: its plan's groups {local} live in the node's "
+                           f"embedded store; publish the plan's groups to a registry so other nodes can read them")
+    r = parse_ref(f"{repo}:{snap_id}")
+    if r.registry is None:
+        raise ClusterError(f"cluster store {repo!r}: name a registry (host[:port]/repo)")
+    store = LayoutStore(os.path.join(home, "store"))
+    groups = list(lock.get("groups", []))
+    layers = detail.get("layers", [])
+    if not layers:
+        raise ClusterError(f"snapshot {snap_id} has no layers")
+    for i, layer in enumerate(layers):
+        ref = f"{repo}:{snap_id}-{i}"
+        res = publish_layer_file(store.blob_path(layer["digest"]), ref, group=f"snapshot{i}", group_class="task",
+                                 digest=layer["digest"], source=f"weenv cluster publish {snap_id} (node {node})")
+        groups.append({"name": f"{snap_id}-{i}", "ref": ref, "class": "task", "digest": res.digest,
+                       "layer_digest": res.layer_digest, "layer_size": res.size, "toc_digest": res.toc_digest,
+                       "registry": r.registry, "repo": r.repo})
+    lock["groups"] = groups
+    plan_from_builtins(lock, Lock, source=f"published snapshot {snap_id}")  # refuse what no node would start
+    top = layers[-1]
+    ref = f"{repo}:{snap_id}"
+    publish_layer_file(store.blob_path(top["digest"]), ref, group="snapshot", group_class="task", digest=top["digest"],
+                       source=f"weenv cluster publish {snap_id} (node {node})",
+                       annotations={ANN_SNAPSHOT_LOCK: json.dumps(lock, sort_keys=True, separators=(",", ":"))})
+    return {"id": snap_id, "ref": ref, "home": node, "lock": lock,
+            "layers": [(x["digest"], int(x["size"])) for x in layers]}
+
+
+def load_published(ref: str) -> dict[str, Any]:
+    """The lock a published snapshot starts from (read from the cluster's store)."""
+    from ..registry import open_store, parse_ref
+    from ..registry._group import parse_manifest
+
+    r = parse_ref(ref)
+    if r.registry is None or r.tag is None:
+        raise ClusterError(f"{ref!r} is not a published snapshot ref (host[:port]/repo:snap-…)")
+    with open_store(r.registry) as store:
+        data, media_type = store.get_manifest(r.repo, r.tag)
+    manifest = parse_manifest(data, media_type, ref)
+    text = (manifest.get("annotations") or {}).get(ANN_SNAPSHOT_LOCK)
+    if not text:
+        raise ClusterError(f"{ref}: not a published weenv snapshot (no {ANN_SNAPSHOT_LOCK} annotation)")
+    return msgspec.json.decode(text.encode())  # type: ignore[no-any-return]
+
+
+def _current_ray_node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception as e:
+        raise ClusterError(f"the node agent runs as a Ray actor (no Ray node id: {e})") from None
+
+
+@functools.lru_cache(maxsize=1)
+def agent_class() -> Any:
+    """:class:`NodeAgent` as a Ray actor class: threaded (reports and calls do not queue behind
+    each other), no CPU reserved, never restarted by Ray (the cluster's reconciler decides)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=32, max_restarts=0)(NodeAgent)

@@ -1,0 +1,580 @@
+"""The cluster client: node agents on every Ray node, placement, routing by env id, lost nodes.
+
+``weenv.cluster.connect(ray_address)`` joins a Ray cluster, makes sure every alive Ray node has
+its agent (get-or-create, detached, hard node affinity, no Ray restarts), and runs the
+reconciler's tick in a thread of its own. What it offers is also what the gateway (``weenv
+cluster serve``) routes with, the :class:`Backend` interface:
+
+- :meth:`Cluster.for_env` — the :class:`NodeClient` of the node an env lives on (from the
+  routing table rebuilt out of node reports, else the node its id names); raises EnvLostError for
+  an env whose node was lost;
+- :meth:`Cluster.for_create` — the best node for a plan (placement over the latest reports).
+
+A :class:`NodeClient` forwards any ``/v1`` call to its node's daemon through the agent
+(``request(method, path, json=…) -> (status, content type, body)``), so a gateway proxies the
+daemon's whole API without knowing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+
+from ._agent import AGENT_NAMESPACE, agent_class, agent_name, load_published, token_digest
+from ._errors import (
+    AgentError,
+    ClusterError,
+    EnvLostError,
+    NodeLostError,
+    PlacementError,
+    UnknownEnvError,
+)
+from ._placement import ClusterView, PlacementRequest, place_group, rank, request_for
+from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconciler
+from ._report import NodeReport, node_of
+
+log = logging.getLogger("weenv.cluster")
+
+
+# ================================================================================ node clients
+
+
+class NodeClient:
+    """One node's daemon API, through its agent (Ray actor calls)."""
+
+    def __init__(self, name: str, actor: Any, token: str | None, *, timeout_s: float = 300.0):
+        self.name, self.actor, self._token, self.timeout_s = name, actor, token, timeout_s
+
+    def __repr__(self) -> str:
+        return f"NodeClient({self.name!r})"
+
+    def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout_s or self.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise NodeLostError(f"node {self.name}: its agent is gone ({type(e).__name__})") from None
+        except ray.exceptions.GetTimeoutError:
+            raise NodeLostError(f"node {self.name}: its agent did not answer within "
+                                f"{timeout_s or self.timeout_s:g} s") from None
+        except ray.exceptions.RayTaskError as e:  # the agent raised: re-raise its own error
+            cause = e.as_instanceof_cause()
+            raise cause from None
+
+    def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
+                params: dict[str, str] | None = None, timeout_s: float | None = None) -> tuple[int, str, bytes]:
+        """Any ``/v1`` call on the node's daemon: ``(status, content type, body)``."""
+        ref = self.actor.request.remote(self._token, method, path, json_body=json, content=content, params=params,
+                                        timeout_s=timeout_s)
+        return self._get(ref, (timeout_s or self.timeout_s) + 10)  # type: ignore[no-any-return]
+
+    def call(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
+             params: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:
+        """:meth:`request` with the answer decoded; AgentError for an error answer."""
+        status, ctype, body = self.request(method, path, json=json, content=content, params=params,
+                                           timeout_s=timeout_s)
+        if status >= 400:
+            try:
+                err = msgspec.json.decode(body)["error"]
+                kind, message = err.get("kind", "error"), err.get("message", "")
+            except (msgspec.DecodeError, KeyError, TypeError):
+                kind, message = "error", body.decode(errors="replace")[:500]
+            raise AgentError(self.name, status, kind, message)
+        if ctype.startswith("application/json") and body:
+            return msgspec.json.decode(body)
+        return body
+
+    def report(self, timeout_s: float = 10.0) -> NodeReport:
+        return self._get(self.actor.report.remote(self._token), timeout_s)  # type: ignore[no-any-return]
+
+    def hello(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return self._get(self.actor.hello.remote(), timeout_s)  # type: ignore[no-any-return]
+
+    def publish_snapshot(self, snapshot_id: str, repo: str) -> dict[str, Any]:
+        return self._get(self.actor.publish_snapshot.remote(self._token, snapshot_id, repo))  # type: ignore[no-any-return]
+
+    def stop(self, *, stop_daemon: bool = False, kill_envs: bool = False) -> dict[str, Any]:
+        return self._get(self.actor.stop.remote(self._token, stop_daemon=stop_daemon,  # type: ignore[no-any-return]
+                                                kill_envs=kill_envs), 60)
+
+
+class Backend(Protocol):
+    """What a gateway needs to route: the node of an env, the node for a create."""
+
+    def for_env(self, env_id: str) -> NodeClient: ...
+
+    def for_create(self, plan: dict[str, Any], *, snapshot: str | None = None) -> NodeClient: ...
+
+
+# ================================================================================ reconciler glue
+
+
+class _RayPending(PendingCall):
+    def __init__(self, ref: Any):
+        self.ref = ref
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+    def result(self) -> NodeReport:
+        import ray
+
+        return ray.get(self.ref, timeout=0)  # type: ignore[no-any-return]
+
+
+class _RayAgent(AgentHandle):
+    def __init__(self, client: NodeClient):
+        self.name = client.name
+        self.client = client
+
+    def start_report(self) -> PendingCall:
+        return _RayPending(self.client.actor.report.remote(self.client._token))
+
+
+# ================================================================================ envs
+
+
+class ClusterEnv:
+    """An env somewhere in the cluster: every call goes to its node (an EnvLostError once it is lost)."""
+
+    def __init__(self, cluster: "Cluster", info: dict[str, Any], node: str):
+        self.cluster, self.info, self.node = cluster, info, node
+        self.id: str = info["id"]
+
+    def __repr__(self) -> str:
+        return f"ClusterEnv({self.id!r}, node={self.node!r})"
+
+    def _node(self) -> NodeClient:
+        return self.cluster.for_env(self.id)
+
+    def exec(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+             user: str | None = None, stdin: bytes | str | None = None, timeout_s: float | None = None) -> Any:
+        from .._client import ExecResult, _exec_body
+
+        body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, False)
+        out = self._call("POST", f"/v1/envs/{self.id}/exec", json=body,
+                         timeout_s=(timeout_s or 300.0) + 30)
+        return msgspec.convert(out, ExecResult)
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            return self._node().call(method, path, **kw)
+        except NodeLostError:
+            lost = self.cluster.lost_env(self.id)
+            if lost is not None:
+                raise lost from None
+            raise
+
+    def read_file(self, path: str) -> bytes:
+        return self._call("GET", f"/v1/envs/{self.id}/files", params={"op": "read", "path": path})  # type: ignore[no-any-return]
+
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        self._call("PUT", f"/v1/envs/{self.id}/files", content=data.encode() if isinstance(data, str) else data,
+                   params={"path": path, "mode": oct(mode)[2:]})
+
+    def refresh(self) -> dict[str, Any]:
+        self.info = self._call("GET", f"/v1/envs/{self.id}")
+        return self.info
+
+    def commit(self, *, publish: bool = False) -> str:
+        """Seal the env into a snapshot on its node; with ``publish``, also push it to the cluster's
+        store (then any node can start from it). Returns the snapshot id (published: its ref)."""
+        snap = self._call("POST", f"/v1/envs/{self.id}/commit", json={})["snapshot"]
+        self.cluster._note_snapshot(snap, self.node)
+        if publish:
+            return self.cluster.publish(snap)["ref"]  # type: ignore[no-any-return]
+        return snap  # type: ignore[no-any-return]
+
+    def fork(self, n: int) -> list["ClusterEnv"]:
+        """``n`` children of this env's current state: on its node while it admits them, the rest spread
+        over other nodes through the cluster's store (when the cluster has one)."""
+        return self.cluster.fork(self, n)
+
+    def kill(self) -> None:
+        try:
+            self._call("DELETE", f"/v1/envs/{self.id}", json={})
+        finally:
+            self.cluster._forget(self.id)
+
+    def __enter__(self) -> "ClusterEnv":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.kill()
+        except (EnvLostError, AgentError):
+            pass
+
+
+# ================================================================================ the cluster
+
+
+class Cluster:
+    """Node agents + reconciler + placement + routing (see the module docstring)."""
+
+    def __init__(self, *, token: str | None = None, store: str | None = None, report_interval_s: float = 2.0,
+                 call_timeout_s: float = 10.0, failure_threshold: int = 3, start_timeout_s: float = 120.0,
+                 tick_s: float = 0.1, node_sync_s: float = 2.0, agent_options: dict[str, Any] | None = None):
+        self.token = token
+        self.store = store  # host[:port]/repo of the cluster's OCI registry (published snapshots)
+        self.report_interval_s = report_interval_s
+        self.tick_s = tick_s
+        self.node_sync_s = node_sync_s
+        self.agent_options = dict(agent_options or {})
+        self.clients: dict[str, NodeClient] = {}
+        self._by_ray_id: dict[str, str] = {}
+        self._lock = threading.RLock()
+        self._routes: dict[str, str] = {}  # env id -> node: what this client created, before the next report
+        self._lost: dict[str, EnvLostError] = {}
+        self._snapshot_home: dict[str, str] = {}
+        self._published: dict[str, dict[str, Any]] = {}  # snapshot id / ref -> published record
+        self._lost_listeners: list[Callable[[list[EnvLostError]], None]] = []
+        self.reconciler = Reconciler(interval_s=report_interval_s, call_timeout_s=call_timeout_s,
+                                     failure_threshold=failure_threshold, start_timeout_s=start_timeout_s,
+                                     on_lost=self._on_lost)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._view: tuple[tuple[int, ...], ClusterView] | None = None
+
+    # ------------------------------------------------------------------ agents
+
+    def sync_nodes(self) -> None:
+        """Give every alive Ray node its agent (get-or-create); a node Ray reports dead is lost."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for node in ray.nodes():
+            ray_id = node["NodeID"]
+            known = self._by_ray_id.get(ray_id)
+            if not node.get("Alive"):
+                if known is not None:
+                    self.reconciler.mark_lost(known, "Ray reports its node dead")
+                continue
+            if known is not None:
+                continue
+            opts = dict(name=agent_name(ray_id), namespace=AGENT_NAMESPACE, lifetime="detached", get_if_exists=True,
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_id, soft=False))
+            actor = agent_class().options(**opts).remote(token_sha256=token_digest(self.token),
+                                                         report_interval_s=self.report_interval_s,
+                                                         **self.agent_options)
+            client = NodeClient("?", actor, self.token)
+            try:
+                hello = client.hello(timeout_s=120.0)
+            except Exception as e:
+                log.warning("Ray node %s: its agent did not start: %s", ray_id, e)
+                continue
+            client.name = hello["node"]
+            with self._lock:
+                self.clients[client.name] = client
+                self._by_ray_id[ray_id] = client.name
+            self.reconciler.add(_RayAgent(client))
+
+    def start(self) -> "Cluster":
+        self.sync_nodes()
+        self._thread = threading.Thread(target=self._run, name="weenv-cluster-reconciler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        next_sync = time.monotonic() + self.node_sync_s
+        while not self._stop.wait(self.tick_s):
+            try:
+                with self._lock:
+                    self.reconciler.tick()
+                if time.monotonic() >= next_sync:
+                    next_sync = time.monotonic() + self.node_sync_s
+                    self.sync_nodes()
+            except Exception:
+                log.exception("cluster reconcile tick failed")
+
+    def wait_ready(self, timeout_s: float = 60.0, *, nodes: int | None = None) -> None:
+        """Wait until every known node reported once (or was lost), and at least ``nodes`` are healthy."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                states = [e.state for e in self.reconciler.nodes.values()]
+            healthy = sum(s is NodeState.HEALTHY for s in states)
+            if states and NodeState.STARTING not in states and (nodes is None or healthy >= nodes):
+                return
+            time.sleep(0.05)
+        raise ClusterError(f"the cluster was not ready within {timeout_s:g} s: {self.nodes()}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Every node: name, state, why lost, its latest report."""
+        with self._lock:
+            return [{"node": e.name, "state": e.state.value, "lost_reason": e.lost_reason,
+                     "failures": e.failures, "last_error": e.last_error, "report": e.report}
+                    for e in self.reconciler.nodes.values()]
+
+    def report(self, node: str) -> NodeReport | None:
+        with self._lock:
+            entry = self.reconciler.nodes.get(node)
+            return entry.report if entry is not None else None
+
+    def refresh(self) -> None:
+        """Fetch every healthy node's report now (instead of waiting for the next tick)."""
+        for name in list(self.clients):
+            self._refresh_one(name)
+
+    def _refresh_one(self, name: str) -> None:
+        try:
+            rep = self._client(name).report(10.0)
+        except Exception:
+            return  # the reconciler's next poll deals with it
+        with self._lock:
+            entry = self.reconciler.nodes.get(name)
+            if entry is not None and entry.state is NodeState.HEALTHY and (
+                    entry.report is None or rep.seq > entry.report.seq):
+                entry.report = rep
+
+    def routes(self) -> dict[str, str]:
+        """env id -> node, rebuilt from the node reports (what a restarted gateway starts from)."""
+        with self._lock:
+            table = dict(self._routes)
+            for e in self.reconciler.nodes.values():
+                if e.state is not NodeState.LOST and e.report is not None:
+                    for env in e.report.envs:
+                        table[env.id] = e.name
+            return table
+
+    def lost_env(self, env_id: str) -> EnvLostError | None:
+        with self._lock:
+            return self._lost.get(env_id)
+
+    def lost_envs(self) -> dict[str, EnvLostError]:
+        with self._lock:
+            return dict(self._lost)
+
+    def on_envs_lost(self, callback: Callable[[list[EnvLostError]], None]) -> None:
+        """Call ``callback`` with the envs of every node lost from now on (in the reconciler's thread)."""
+        self._lost_listeners.append(callback)
+
+    def _on_lost(self, entry: NodeEntry) -> None:
+        ids = {env_id for env_id, node in self._routes.items() if node == entry.name}
+        if entry.report is not None:
+            ids.update(env.id for env in entry.report.envs)
+        errors = [EnvLostError(env_id, entry.name, entry.lost_reason) for env_id in sorted(ids)]
+        for err in errors:
+            self._lost[err.env_id] = err
+            self._routes.pop(err.env_id, None)
+        for cb in self._lost_listeners:
+            try:
+                cb(errors)
+            except Exception:
+                log.exception("an envs-lost listener failed")
+
+    def _forget(self, env_id: str) -> None:
+        with self._lock:
+            self._routes.pop(env_id, None)
+
+    def _note_snapshot(self, snap: str, node: str) -> None:
+        with self._lock:
+            self._snapshot_home[snap] = node
+
+    # ------------------------------------------------------------------ Backend
+
+    def _client(self, node: str) -> NodeClient:
+        with self._lock:
+            entry = self.reconciler.nodes.get(node)
+            if entry is not None and entry.state is NodeState.LOST:
+                raise NodeLostError(f"node {node} is lost: {entry.lost_reason}")
+            client = self.clients.get(node)
+        if client is None:
+            raise ClusterError(f"no node {node!r} in the cluster (nodes: {sorted(self.clients)})")
+        return client
+
+    def for_env(self, env_id: str) -> NodeClient:
+        lost = self.lost_env(env_id)
+        if lost is not None:
+            raise lost
+        node = self.routes().get(env_id)
+        if node is None:
+            hint = node_of(env_id)
+            if hint is None or hint not in self.clients:
+                raise UnknownEnvError(f"no node reports env {env_id!r} and its id names no node of the cluster")
+            node = hint
+        return self._client(node)
+
+    def _current_view(self) -> ClusterView:
+        with self._lock:
+            reports = self.reconciler.reports()
+        key = tuple(id(r) for r in reports)
+        if self._view is None or self._view[0] != key:
+            self._view = (key, ClusterView(reports))
+        return self._view[1]
+
+    def _request(self, plan: dict[str, Any] | None, snapshot: str | None) -> tuple[PlacementRequest, dict[str, Any]]:
+        """The placement request and the create body for a plan lock or a snapshot (id or published ref)."""
+        if snapshot is None:
+            if plan is None or "lock_version" not in plan:
+                raise PlacementError("the cluster places plan locks (run `weenv plan lock`): a plan's tags would "
+                                     "resolve differently on every node")
+            return request_for(plan), {"plan": plan}
+        published = self._published_record(snapshot)
+        if published is not None:
+            lock = published["lock"]
+            layers = tuple((x[0], int(x[1])) for x in published.get("layers", ()))
+            return request_for(lock, snapshot_layers=layers, snapshot=published["id"],
+                               snapshot_home=published.get("home")), {"plan": lock}
+        home = self._snapshot_home.get(snapshot) or self._find_snapshot(snapshot)
+        if home is None:
+            raise PlacementError(f"no node holds snapshot {snapshot!r} and it is not published to the cluster")
+        detail = self._client(home).call("GET", f"/v1/snapshots/{snapshot}")
+        layers = tuple((x["digest"], int(x["size"])) for x in detail.get("layers", ()))
+        return request_for(detail["lock"], snapshot_layers=layers, snapshot=snapshot, snapshot_home=home,
+                           snapshot_local=True), {"snapshot": snapshot}
+
+    def _find_snapshot(self, snap: str) -> str | None:
+        for r in self.reconciler.reports():
+            if any(s.id == snap for s in r.snapshots):
+                return r.node
+        return None
+
+    def _published_record(self, snapshot: str) -> dict[str, Any] | None:
+        with self._lock:
+            rec = self._published.get(snapshot)
+        if rec is not None or "/" not in snapshot:
+            return rec
+        lock = load_published(snapshot)  # a ref: read from the cluster's store (any client, any restart)
+        rec = {"id": snapshot.rsplit(":", 1)[-1], "ref": snapshot, "lock": lock, "home": None, "layers": []}
+        with self._lock:
+            self._published[snapshot] = rec
+        return rec
+
+    def for_create(self, plan: dict[str, Any] | None, *, snapshot: str | None = None) -> NodeClient:
+        req, _ = self._request(plan, snapshot)
+        ranked = rank(self._current_view(), req, limit=1)
+        if not ranked:
+            place_group(self._current_view(), req, 1)  # raises with the reasons
+        return self._client(ranked[0].node)
+
+    # ------------------------------------------------------------------ envs
+
+    def create(self, plan: dict[str, Any] | str | None = None, *, snapshot: str | None = None,
+               node: str | None = None, overrides: dict[str, Any] | None = None) -> ClusterEnv:
+        """Start an env from a plan lock (dict or file) or a snapshot (id, or a published ref) on the
+        node placement picks (or on ``node``). A node that refuses (its state moved since its last
+        report) is skipped for the next best."""
+        if isinstance(plan, str):
+            from ..plan import load_any, plan_to_builtins
+
+            plan = plan_to_builtins(load_any(plan))
+        req, body = self._request(plan, snapshot)
+        if overrides:
+            body["overrides"] = overrides
+        if node is not None:
+            candidates = [node]
+        else:
+            candidates = [c.node for c in rank(self._current_view(), req, limit=3)]
+            if not candidates:
+                place_group(self._current_view(), req, 1)  # raises, saying why
+        last: Exception | None = None
+        for name in candidates:
+            try:
+                info = self._client(name).call("POST", "/v1/envs", json=body)
+            except AgentError as e:
+                if e.kind != "not_admitted":
+                    raise
+                last = e
+                continue
+            except NodeLostError as e:
+                last = e
+                continue
+            with self._lock:
+                self._routes[info["id"]] = name
+            self._refresh_one(name)  # the next placement sees this env's mins and layers
+            return ClusterEnv(self, info, name)
+        raise PlacementError(f"every node tried refused the env: {last}")
+
+    def get(self, env_id: str) -> ClusterEnv:
+        client = self.for_env(env_id)
+        return ClusterEnv(self, client.call("GET", f"/v1/envs/{env_id}"), client.name)
+
+    def envs(self) -> dict[str, str]:
+        return self.routes()
+
+    def publish(self, snapshot: str) -> dict[str, Any]:
+        """Push a snapshot held on one node to the cluster's store: then any node starts from it."""
+        if self.store is None:
+            raise ClusterError("this cluster has no store (connect(..., store='host:port/repo')): snapshots stay "
+                               "on the node that made them")
+        home = self._snapshot_home.get(snapshot) or self._find_snapshot(snapshot)
+        if home is None:
+            raise ClusterError(f"no node holds snapshot {snapshot!r}")
+        rec = self._client(home).publish_snapshot(snapshot, self.store)
+        with self._lock:
+            self._published[snapshot] = rec
+            self._published[rec["ref"]] = rec
+        return rec
+
+    def fork(self, env: ClusterEnv, n: int) -> list[ClusterEnv]:
+        if not 1 <= n <= 1024:
+            raise ClusterError(f"fork needs 1 <= n <= 1024, got {n}")
+        snap = env._call("POST", f"/v1/envs/{env.id}/commit", json={})["snapshot"]
+        self._note_snapshot(snap, env.node)
+        local_req, _ = self._request(None, snap)
+        view = self._current_view()
+        try:
+            nodes = place_group(view, local_req, n)  # all on the home node
+        except PlacementError:
+            if self.store is None:
+                raise
+            rec = self.publish(snap)
+            layers = tuple((x[0], int(x[1])) for x in rec["layers"])
+            spread = request_for(rec["lock"], snapshot_layers=layers, snapshot=snap, snapshot_home=env.node)
+            nodes = place_group(view, spread, n)
+        children: list[ClusterEnv] = []
+        try:
+            for name in nodes:
+                if name == env.node:
+                    children.append(self.create(snapshot=snap, node=name))
+                else:
+                    children.append(self.create(snapshot=self._published[snap]["ref"], node=name))
+        except BaseException:
+            for child in children:
+                try:
+                    child.kill()
+                except Exception:
+                    pass
+            raise
+        return children
+
+
+def connect(ray_address: str | None = None, *, token: str | None = None, store: str | None = None,
+            namespace: str = AGENT_NAMESPACE, wait_s: float = 120.0, ray_init: dict[str, Any] | None = None,
+            **options: Any) -> Cluster:
+    """Join the Ray cluster at ``ray_address`` (``None``: the one this process is already in), start
+    or find an agent on every node, and wait for their first reports.
+
+    ``token``: the cluster token every agent call carries; ``store``: ``host[:port]/repo`` of the
+    cluster's OCI registry, where published snapshots go. Pin a loopback-only cluster with
+    ``ray_init={"_node_ip_address": "127.0.0.1"}`` (docs/cluster.md)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, namespace=namespace, **(ray_init or {}))
+    cluster = Cluster(token=token, store=store, **options).start()
+    cluster.wait_ready(wait_s)
+    return cluster
