@@ -93,7 +93,7 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
               help="Run every crun env in a user namespace: env root is an unprivileged host uid "
                    "(docs/security.md) [default: $WEENV_USERNS, else off].")
 @click.option("--userns-base", type=click.IntRange(65536, 2**32 - 1 - 65536), default=None, metavar="UID",
-              help="First host uid of the envs' id range (65536 ids) [default: 2147483648].")
+              help="First host uid of the envs' id range (65536 ids) [default: 1073741824].")
 @click.option("--debug", is_flag=True)
 @click.pass_context
 def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,

@@ -93,7 +93,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     # every crun env in a user namespace: env ids 0..65535 are host ids userns_base.. (docs/security.md,
     # "User namespaces"; env WEENV_USERNS=0/1 sets the default)
     userns: bool = msgspec.field(default_factory=lambda: _bool_env("WEENV_USERNS", False))
-    userns_base: int = 1 << 31
+    userns_base: int = 1 << 30  # _idmap.DEFAULT_BASE
 
 
 def _bool_env(name: str, default: bool) -> bool:

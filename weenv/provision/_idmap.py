@@ -1,7 +1,7 @@
 """User namespaces for envs: env root is an unprivileged host uid (docs/security.md, "User namespaces").
 
 Every crun env runs in a user namespace of its own mapping env ids 0..65535 to host ids
-``base``..``base+65535`` (one range for the node, :data:`DEFAULT_BASE` = 2^31 by default). The
+``base``..``base+65535`` (one range for the node, :data:`DEFAULT_BASE` = 2^30 by default). The
 range is shared by the node's envs because their lowers are: the envlet has one FUSE mount for
 all envs, FUSE (libfuse 3.14, pyfuse3) cannot be idmapped (mount_setattr(MOUNT_ATTR_IDMAP) is
 EINVAL on it, and on overlayfs itself), so the envlet shows each file owned by ``base + owner``
@@ -32,7 +32,8 @@ import msgspec
 
 from ..layerfmt._ids import CAPABILITY_XATTR, ID_COUNT, cap_to_host, to_host_id, to_layer_id
 
-DEFAULT_BASE = 1 << 31
+# below 2^31: procps (ps) and other tools print uids from 2^31 up as negative numbers
+DEFAULT_BASE = 1 << 30
 
 
 class DeviceNodeInTreeError(OSError):
