@@ -157,6 +157,24 @@ def test_commands_run_foreground(sbx) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(e2b.CommandExitException) as err:
         sbx.commands.run("echo out; exit 3")
     assert err.value.exit_code == 3 and err.value.stdout == "out\n"
+    assert sbx.commands.run("id -u", user="user").stdout == "1000\n"
+    sbx.files.write("/tmp/by-user", "u", user="user")
+    assert sbx.files.get_info("/tmp/by-user").owner == "user"
+    lines: list[str] = []
+    sbx.commands.run("echo a; echo b", on_stdout=lines.append)
+    assert "".join(lines) == "a\nb\n"
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(e2b.TimeoutException):
+        sbx.commands.run("sleep 30", timeout=1)
+    assert time.monotonic() - t0 < 10
+    for _ in range(50):  # the command goes with its stream: the daemon kills what nobody waits for
+        if "sleep 30" not in sbx.commands.run("ps -o args").stdout:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the timed-out command is still running")
 
 
 def test_streamed_upload_and_download(sbx) -> None:  # type: ignore[no-untyped-def]

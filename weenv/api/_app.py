@@ -84,7 +84,11 @@ class Gate:
         self.control, self.envd, self.state = control, envd, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
+        if scope["type"] == "websocket":  # nothing speaks WebSocket yet (the env port proxy will)
+            await receive()
+            await send({"type": "websocket.close", "code": 1008, "reason": "no WebSocket routes"})
+            return
+        if scope["type"] != "http":
             await self.control(scope, receive, send)
             return
         headers = Headers(scope=scope)
