@@ -3,7 +3,7 @@
     python -m benchmarks.network [--quick]
 
 Everything stays on this machine: the "outside" is a network namespace this benchmark makes
-(tests/fixtures_network.py), the daemon's only egress interface is its veth. Measures, in one run:
+(weenv.testing.Outside), the daemon's only egress interface is its veth. Measures, in one run:
 - create → first exec output with ``network = "none"`` and with ``mode = "egress"`` (an allow
   entry), interleaved so both see the same machine state: p50/p99 of each, and the daemon's own
   per-step breakdown for egress (the wiring runs while the layers register);
@@ -22,7 +22,9 @@ import time
 
 import msgspec
 
-from tests.fixtures_network import OUT_A, PORT, Outside, egress_daemon
+from weenv.testing import OUTSIDE_A as OUT_A
+from weenv.testing import OUTSIDE_PORT as PORT
+from weenv.testing import Outside, egress_daemon
 from weenv.plan import load_lock
 from weenv.plan._model import NetworkPolicy
 

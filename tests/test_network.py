@@ -67,12 +67,12 @@ def _reachable(env, url: str) -> bool:  # type: ignore[no-untyped-def]
 
 def _info(d: DaemonHandle, env_id: str) -> dict:
     with d.client() as c:
-        return c._request("GET", f"/v1/envs/{env_id}/network").json()
+        return c.get(env_id).network()
 
 
 def _change(d: DaemonHandle, env_id: str, **body) -> dict:  # type: ignore[no-untyped-def]
     with d.client() as c:
-        return c._request("POST", f"/v1/envs/{env_id}/network", json=body).json()
+        return c.get(env_id).set_network(**body)
 
 
 # -- reachability ---------------------------------------------------------------------------------

@@ -560,6 +560,16 @@ class Env:
     def set_timeout(self, ttl_s: float | None) -> None:
         self.client._request("POST", f"/v1/envs/{self.id}/ttl", json={"ttl_s": ttl_s})
 
+    def network(self) -> dict[str, Any]:
+        """An egress env's addresses, policy, pinned names and accounting (docs/network.md)."""
+        return self.client._request("GET", f"/v1/envs/{self.id}/network").json()
+
+    def set_network(self, *, allow: list[str] = [], deny: list[str] = [],  # noqa: B006 (never mutated)
+                    remove: list[str] = []) -> dict[str, Any]:  # noqa: B006
+        """Change a running egress env's policy: new connections follow it when this returns."""
+        body = {"allow": list(allow), "deny": list(deny), "remove": list(remove)}
+        return self.client._request("POST", f"/v1/envs/{self.id}/network", json=body).json()
+
     def refresh(self) -> dict[str, Any]:
         self.info = self.client._request("GET", f"/v1/envs/{self.id}").json()
         return self.info
@@ -786,6 +796,16 @@ class AsyncEnv:
 
     async def set_timeout(self, ttl_s: float | None) -> None:
         await self.client._request("POST", f"/v1/envs/{self.id}/ttl", json={"ttl_s": ttl_s})
+
+    async def network(self) -> dict[str, Any]:
+        """An egress env's addresses, policy, pinned names and accounting (docs/network.md)."""
+        return (await self.client._request("GET", f"/v1/envs/{self.id}/network")).json()
+
+    async def set_network(self, *, allow: list[str] = [], deny: list[str] = [],  # noqa: B006 (never mutated)
+                          remove: list[str] = []) -> dict[str, Any]:  # noqa: B006
+        """Change a running egress env's policy: new connections follow it when this returns."""
+        body = {"allow": list(allow), "deny": list(deny), "remove": list(remove)}
+        return (await self.client._request("POST", f"/v1/envs/{self.id}/network", json=body)).json()
 
     async def commit(self, *, ref: str | None = None) -> str:
         return (await self.client._request("POST", f"/v1/envs/{self.id}/commit", json={"ref": ref})).json()["snapshot"]
