@@ -359,3 +359,30 @@ def test_daemon_refuses_gvisor_with_host_network(daemon, tmp_path, gvisor_platfo
     with daemon.client() as c:
         with pytest.raises(weenv.ApiError, match="not available under gVisor|cannot have network"):
             c.create(lock, network="host")
+
+
+# -- routing logic (pure) --------------------------------------------------------------------------
+
+
+def test_plan_runtime_and_start_cpu_hint_logic():
+    from weenv.provision._gvisor import ANNOTATION_RUNTIME, RuntimeRouter, plan_runtime, start_cpu_hint
+    from weenv.testing import FakeRuntime
+
+    class FakeGvisor(FakeRuntime):
+        name = "gvisor"
+        supports_agent = False
+
+    router = RuntimeRouter({"crun": FakeRuntime(), "gvisor": FakeGvisor()}, default="crun")
+    assert plan_runtime(router, None) == ({ANNOTATION_RUNTIME: "crun"}, True)
+    assert plan_runtime(router, "gvisor") == ({ANNOTATION_RUNTIME: "gvisor"}, False)  # no agent under gVisor
+    with pytest.raises(HostError, match="unknown runtime 'kata'"):
+        plan_runtime(router, "kata")
+    # a daemon given one plain runtime runs only that kind
+    assert plan_runtime(FakeRuntime(), "crun") == ({}, True)
+    with pytest.raises(HostError, match='runtime = "gvisor": this daemon runs only crun'):
+        plan_runtime(FakeRuntime(), "gvisor")
+    # gVisor envs start at a core (clamped to the plan's range later), crun envs as they were asked
+    assert start_cpu_hint({ANNOTATION_RUNTIME: "crun"}, None) is None
+    assert start_cpu_hint({ANNOTATION_RUNTIME: "crun"}, 0.5) == 0.5
+    assert start_cpu_hint({ANNOTATION_RUNTIME: "gvisor"}, None) == 1.0
+    assert start_cpu_hint({ANNOTATION_RUNTIME: "gvisor"}, 2.0) == 2.0

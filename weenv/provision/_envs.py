@@ -45,7 +45,7 @@ from ._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
 from ._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
 from ._errors import HostError
-from ._gvisor import plan_runtime
+from ._gvisor import plan_runtime, start_cpu_hint
 from ._idmap import DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert, open_path_for_range
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
@@ -381,14 +381,14 @@ class EnvManager:
         mark("cgroup")
 
         listener: socket.socket | None = None
+        try:
+            routing, agent_ok = plan_runtime(self.runtime, lock.runtime)
+        except HostError as e:
+            raise EnvStartError(str(e), env_id=rec.id) from None
 
         def bundle() -> dict[str, Any]:
             nonlocal listener
             user = resolve_user(rootfs, lock.user) if lock.user else ROOT_USER
-            try:
-                routing, agent_ok = plan_runtime(self.runtime, lock.runtime)
-            except HostError as e:
-                raise EnvStartError(str(e), env_id=rec.id) from None
             agent: dict[str, str] = {}
             if self.agent_path is not None and not lock.init and agent_ok:
                 sock_path = os.path.join(_state.env_dir(self.envs_dir, rec.id), "agent.sock")
@@ -428,7 +428,7 @@ class EnvManager:
         mark("crun_start")
         # Quotas apply from here: crun runs inside the env's cgroups (so that the init is born
         # there), and under a 0.25-core quota its own setup would take four times as long.
-        self.monitor.add(rec.id, cg, limits, start_cpu_cores=start_cpu_cores)
+        self.monitor.add(rec.id, cg, limits, start_cpu_cores=start_cpu_hint(routing, start_cpu_cores))
         rec.status = "running"
         self._save(rec)
         mark("save")
