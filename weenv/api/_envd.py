@@ -324,6 +324,23 @@ async def _exists(view: EnvView, path: str) -> bool:
     return True
 
 
+_bash_cache: dict[str, tuple[float, bool]] = {}
+BASH_CACHE_S = 30.0
+
+
+async def _has_bash(view: EnvView) -> bool:
+    """Whether the env has /bin/bash, looked at once per :data:`BASH_CACHE_S` (a daemon round trip
+    on every command would be a third of a command's round trip)."""
+    hit = _bash_cache.get(view.env_id)
+    if hit is not None and time.monotonic() - hit[0] < BASH_CACHE_S:
+        return hit[1]
+    found = await _exists(view, "/bin/bash")
+    if len(_bash_cache) > 4096:
+        _bash_cache.clear()
+    _bash_cache[view.env_id] = (time.monotonic(), found)
+    return found
+
+
 # -- process.Process (foreground Start on the daemon's streamed exec) ---------------------------
 
 
@@ -337,7 +354,7 @@ async def proc_start(view: EnvView, req: dict[str, Any], keepalive_s: float) -> 
     if req.get("pty"):
         raise ConnectError(Code.UNIMPLEMENTED, "pty: weenv serve does not run commands on a pty yet")
     argv = [str(proc["cmd"]), *[str(a) for a in (proc.get("args") or [])]]
-    if argv[0] == "/bin/bash" and not await _exists(view, "/bin/bash"):
+    if argv[0] == "/bin/bash" and not await _has_bash(view):
         argv[0] = "/bin/sh"  # the SDK runs every command with `/bin/bash -l -c`; small images have only sh
     body: dict[str, Any] = {"argv": argv, "stream": True}
     if proc.get("envs"):
