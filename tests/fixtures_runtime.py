@@ -140,13 +140,48 @@ class EnvHandle:
         return await self.exec(["/bin/sh", "-c", script], **kw)
 
 
+def userns_idmap():
+    """With WEENV_USERNS=1 the runtime tests run their envs in a user namespace, as the daemon
+    does with ``--userns`` (docs/security.md, "User namespaces"); None otherwise."""
+    from weenv.provision._idmap import IdMap
+
+    return IdMap() if os.environ.get("WEENV_USERNS", "").strip().lower() in ("1", "true", "yes", "on") else None
+
+
+def _into_range(rootfs: str, idmap) -> None:
+    """What the daemon's lowers look like: owners shifted into the range (once per rootfs), and
+    every directory on the way traversable by the range's root."""
+    if os.lstat(rootfs).st_uid < idmap.base:
+        for top, dirs, files in os.walk(rootfs):
+            for name in [*dirs, *files]:
+                p = os.path.join(top, name)
+                st = os.lstat(p)
+                if st.st_uid < idmap.base:
+                    os.lchown(p, idmap.host(st.st_uid), idmap.host(st.st_gid))
+        st = os.lstat(rootfs)
+        os.lchown(rootfs, idmap.host(st.st_uid), idmap.host(st.st_gid))
+    p = os.path.dirname(os.path.abspath(rootfs))
+    while p != "/":
+        st = os.stat(p)
+        if not st.st_mode & 0o001:  # others cannot walk it: the range's root group may
+            os.chown(p, st.st_uid, idmap.base)
+            os.chmod(p, (st.st_mode & 0o7777) | 0o010)
+        p = os.path.dirname(p)
+
+
 async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgroup=None, **spec_options) -> EnvHandle:
     """Prepare a bundle next to ``rootfs``, create and start the env."""
+    from weenv.provision._idmap import apply_userns
     from weenv.provision._runtime import prepare_bundle
 
     bundle = str(tmp_path / f"bundle-{env_id}")
     os.makedirs(bundle, exist_ok=True)
     spec = prepare_bundle(bundle, env_id=env_id, rootfs=rootfs, host=runtime.host, **spec_options)
+    idmap = userns_idmap()
+    if idmap is not None:
+        _into_range(rootfs, idmap)
+        _into_range(os.path.join(bundle, "etc", "hosts"), idmap)
+        spec = apply_userns(spec, idmap)
     procs = cgroup.procs_paths() if cgroup is not None else []
     pid = await runtime.create(env_id, bundle, rootfs, spec, procs)
     await runtime.start(env_id)
