@@ -63,6 +63,8 @@ def test_files(sbx) -> None:  # type: ignore[no-untyped-def]
         sbx.files.read("/tmp/w/nope")
     with pytest.raises(e2b.FileNotFoundException):
         sbx.files.get_info("/tmp/w/nope")
+    with pytest.raises(e2b.InvalidArgumentException, match="not a directory"):
+        sbx.files.list("/tmp/w/c1")
 
 
 def test_watch_dir_sees_a_write(sbx) -> None:  # type: ignore[no-untyped-def]
@@ -99,7 +101,7 @@ def test_pause_connect_keeps_state(sbx) -> None:  # type: ignore[no-untyped-def]
     assert again.files.read("/tmp/state") == "kept"
 
 
-def test_fork_and_snapshot(sbx) -> None:  # type: ignore[no-untyped-def]
+def test_fork_and_snapshot(sbx, served: Served) -> None:  # type: ignore[no-untyped-def]
     sbx.files.write("/tmp/marker", "parent")
     children = sbx.fork(count=2)
     try:
@@ -124,6 +126,19 @@ def test_fork_and_snapshot(sbx) -> None:  # type: ignore[no-untyped-def]
         from_snap.kill()
     assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is True
     assert e2b.Sandbox.delete_snapshot(snap.snapshot_id) is False
+    named = sbx.create_snapshot(name="golden")
+    assert named.names == ["golden"]
+    golden = e2b.Sandbox.create("golden", timeout=60)  # a snapshot's name is a template of its owner's
+    try:
+        assert golden.files.read("/tmp/marker") == "parent"
+        assert golden.get_info().template_id == "golden"
+    finally:
+        golden.kill()
+    with pytest.raises(e2b.SandboxException, match="404"):
+        e2b.Sandbox.create("golden", api_key=served.keys["bob"])
+    with served.daemon.client() as c:  # deleted on the node: gone from the list too
+        c.delete_snapshot(named.snapshot_id)
+    assert named.snapshot_id not in [s.snapshot_id for s in e2b.Sandbox.list_snapshots().next_items()]
 
 
 def test_list_with_metadata_filter(served: Served) -> None:

@@ -187,3 +187,44 @@ def test_egress_policy_keeps_e2bs_meaning() -> None:
                                                          "deny": ["10.0.0.0/8"]}
     assert egress_policy(["x.example"], None, True) == {"mode": "egress", "allow": ["0.0.0.0/0", "x.example"],
                                                         "deny": []}
+
+
+def test_refresh_sets_the_ttl(home: str) -> None:
+    from weenv.api import OwnerTable
+
+    alice = KeyStore(home).create("alice")
+    OwnerTable(home).put_env("e-1", {"owner": "alice", "timeout_s": 300})
+    daemon = FakeDaemon({("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0},
+                         ("POST", "/v1/envs/e-1/ttl"): {"id": "e-1"}})
+    app = create_app(OneDaemon(daemon), home=home)
+    r = _call(app, "POST", "/sandboxes/e-1/refreshes", json={"duration": 60}, headers={"X-API-Key": alice})
+    assert r.status_code == 204 and daemon.calls[-1] == ("POST", "/v1/envs/e-1/ttl")
+    assert OwnerTable(home).env("e-1")["timeout_s"] == 60
+
+
+def test_cli_token_and_template(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from weenv.cli import main
+
+    monkeypatch.setenv("WEENV_HOME", str(tmp_path))
+    lock = tmp_path / "a.lock.toml"
+    lock.write_text('name = "a"\n')
+    run = CliRunner()
+    r = run.invoke(main, ["token", "create", "--name", "ci", "--admin"])
+    assert r.exit_code == 0, r.output
+    key = r.stdout.strip().splitlines()[0]
+    assert KeyStore(str(tmp_path / "api")).verify(key).admin
+    r = run.invoke(main, ["token", "ls", "--json"])
+    assert json.loads(r.stdout)[0]["name"] == "ci" and key not in r.stdout
+    r = run.invoke(main, ["token", "revoke", "nope"])
+    assert r.exit_code == 1 and "no key named 'nope'" in r.output
+    assert run.invoke(main, ["template", "set", "base", str(lock)]).exit_code == 0
+    assert run.invoke(main, ["template", "set", "snap", "snap-00ff"]).exit_code == 0
+    r = run.invoke(main, ["template", "ls", "--json"])
+    assert json.loads(r.stdout) == {"base": {"lock": str(lock)}, "snap": {"snapshot": "snap-00ff"}}
+    r = run.invoke(main, ["template", "set", "bad", str(tmp_path / "missing")])
+    assert r.exit_code == 1 and "neither a lock/plan file nor a snapshot id" in r.output
+    assert run.invoke(main, ["template", "rm", "base"]).exit_code == 0
+    r = run.invoke(main, ["--host", "ftp://x", "ps"])
+    assert r.exit_code == 2 and "not an http:// or https:// URL" in r.output

@@ -387,6 +387,12 @@ def _page(request: Request, items: list[Any]) -> tuple[list[Any], dict[str, str]
 async def list_snapshots(request: Request) -> Response:
     state, key = state_of(request), key_of(request)
     q = request.query_params
+    existing: set[str] = set()
+    for client in state.backend.all():
+        async with daemon_errors():
+            existing.update(snap["id"] for snap in (await client._request("GET", "/v1/snapshots")).json())
+    for sid in [sid for sid in state.owners.snapshots() if sid not in existing]:
+        state.owners.forget_snapshot(sid)  # deleted on the node (or collected by gc)
     snaps = [(sid, rec) for sid, rec in sorted(state.owners.snapshots().items(), key=lambda kv: kv[1].get("created_s", 0))
              if (key.admin or rec.get("owner") == key.name) and not rec.get("fork")
              and (not q.get("sandboxID") or rec.get("source_env") == q["sandboxID"])
