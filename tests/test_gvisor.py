@@ -119,6 +119,9 @@ def test_exec_exit_codes_output_stdin_and_not_found(gvisor_runtime, busybox_root
         assert (r.exit_code, r.stdout, r.stderr) == (3, b"out\n", b"err\n")
         r = await env.exec(["cat"], stdin=b"hello\n" * 1000)
         assert r.exit_code == 0 and r.stdout == b"hello\n" * 1000
+        # the plan's seccomp deny list is loaded into the sandbox for the init (--oci-seccomp)
+        r = await env.sh("grep Seccomp: /proc/1/status")
+        assert r.stdout.split() == [b"Seccomp:", b"2"], r.stdout
         r = await env.exec(["/no/such/binary"])
         assert r.exit_code == 127 and r.command_not_found and b"command not found" in r.stderr
         r = await env.sh("kill -9 $$")
@@ -386,3 +389,18 @@ def test_plan_runtime_and_start_cpu_hint_logic():
     assert start_cpu_hint({ANNOTATION_RUNTIME: "crun"}, 0.5) == 0.5
     assert start_cpu_hint({ANNOTATION_RUNTIME: "gvisor"}, None) == 1.0
     assert start_cpu_hint({ANNOTATION_RUNTIME: "gvisor"}, 2.0) == 2.0
+
+
+def test_an_env_over_its_hard_memory_limit_dies_whole_and_exec_says_so(gvisor_runtime, busybox_rootfs, tmp_path,
+                                                                     env_cgroup):
+    """Under gVisor the kernel's OOM kill picks the sandbox (it holds all of the env's memory): the
+    env ends, and the exec that was running raises instead of returning runsc's words as output."""
+
+    async def main():
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs, cgroup=env_cgroup)
+        env_cgroup.set_memory(128 << 20)  # hard: no elastic headroom, the OOM killer on
+        with pytest.raises(ContainerError, match="sandbox died"):
+            await env.sh("""awk 'BEGIN{s=sprintf("%300000000s",""); print length(s)}'""", timeout_s=60)
+        assert (await gvisor_runtime.state(env.env_id)).status == "stopped"
+
+    run(main)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -68,6 +69,8 @@ PLATFORMS = ("kvm", "ptrace")
 _NO_CONTAINER = (b"file does not exist", b"does not exist")
 # runsc exec's words (exit status 128) when the command could not be started in the sandbox.
 _EXEC_FAILED = b"executing processes for container"
+# ... and when the sandbox went away while it waited for the command.
+_SANDBOX_GONE = re.compile(rb'^waiting on pid \d+: .*in sandbox .*(EOF|connection refused|connection reset)', re.M)
 
 
 class PlatformProbe(msgspec.Struct, frozen=True, kw_only=True):
@@ -219,7 +222,7 @@ class GvisorRuntime(CrunRuntime):
         self._private_ns = None  # runsc with --ignore-cgroups does not mind a hybrid host
         # The platform is the sandbox's: only create takes it; exec, kill, state talk to the sandbox.
         self._base = [self.runsc, "--root", self.state_dir, "--network=none", "--ignore-cgroups", "--overlay2=none",
-                      "--file-access=shared", "--file-access-mounts=shared"]
+                      "--file-access=shared", "--file-access-mounts=shared", "--oci-seccomp"]
         self._exec_pid_files: dict[int, tuple[str, str]] = {}  # runsc exec's pid -> (env, in-sandbox pid file)
         self._known: dict[str, tuple[int, dict]] = {}
         self._started: set[str] = set()
@@ -373,7 +376,12 @@ class GvisorRuntime(CrunRuntime):
         return self._translate(env_id, argv, result)
 
     def _translate(self, env_id: str, argv: Sequence[str], result: ExecResult) -> ExecResult:
-        """runsc exec exits 128 with its own words on stderr when the command never started."""
+        """runsc exec exits 128 with its own words on stderr when the command never started, or
+        when the sandbox died under it (all of the env: e.g. the kernel's OOM kill at the env's hard
+        memory limit, which under gVisor picks the sandbox, the one process holding the env's memory)."""
+        if result.exit_code == 128 and _SANDBOX_GONE.search(result.stderr) and not result.timed_out:
+            raise ContainerError("the env's gVisor sandbox died while the command ran (killed at its memory limit?)",
+                                 env_id=env_id, detail=result.stderr.decode(errors="replace")[-2000:])
         if result.exit_code != 128 or _EXEC_FAILED not in result.stderr or result.timed_out:
             return result
         err = result.stderr
