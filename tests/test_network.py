@@ -373,3 +373,90 @@ def test_without_an_egress_interface_nothing_leaves_the_node(outside: Outside) -
         subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
     assert weenv_links(table) == []
     assert _addresses_in(rng) == []
+
+
+class _DnsServer:
+    """A resolver on 127.0.0.1 for the daemon side (where allowed names are resolved), answering
+    from a table the test changes."""
+
+    def __init__(self, names: dict[str, str]):
+        import socket
+
+        import dns.message
+        import dns.rcode
+        import dns.rrset
+
+        self.names = names
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stopping = False
+
+        def serve() -> None:
+            while not self.stopping:
+                try:
+                    data, peer = self.sock.recvfrom(4096)
+                except OSError:
+                    continue
+                q = dns.message.from_wire(data)
+                r = dns.message.make_response(q)
+                name = q.question[0].name.to_text(omit_final_dot=True)
+                if name in self.names:
+                    r.answer.append(dns.rrset.from_text(q.question[0].name, 1, "IN", "A", self.names[name]))
+                else:
+                    r.set_rcode(dns.rcode.NXDOMAIN)
+                self.sock.sendto(r.to_wire(), peer)
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stopping = True
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_allowed_names_are_re_resolved_and_re_pinned(outside: Outside) -> None:
+    import trio
+
+    from weenv.net import parse_policy
+    from weenv.net._egress import EgressNetwork
+
+    pid = os.getpid()
+    table, rng = f"wr{pid}", f"10.198.{pid % 256}.0/28"
+    resolver = _DnsServer({"moving.test": OUT_B})
+    net = EgressNetwork(table=table, egress_range=rng, egress_interfaces=[outside.iface], dns_server=resolver.address,
+                        refresh_s=0.3)
+    env_dir = tempfile.mkdtemp(prefix="wtest-refresh-")
+
+    def connect(ns: str, addr: str) -> bool:
+        code = f"import socket; socket.create_connection(({addr!r}, {PORT}), 3).close()"
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True).returncode == 0
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            net.start(nursery, lambda env_id: env_dir)
+            st = await net.up("moving-00000000", env_dir, parse_policy([f"moving.test:{PORT}"]))
+            await net.ready("moving-00000000")
+            try:
+                assert st.resolved == {"moving.test": [OUT_B]}
+                assert await trio.to_thread.run_sync(connect, st.netns, OUT_B)
+                assert not await trio.to_thread.run_sync(connect, st.netns, OUT_A)
+                resolver.names["moving.test"] = OUT_A  # the name moves
+                with trio.fail_after(10):
+                    while net.states["moving-00000000"].resolved != {"moving.test": [OUT_A]}:
+                        await trio.sleep(0.1)
+                assert await trio.to_thread.run_sync(connect, st.netns, OUT_A)
+                assert not await trio.to_thread.run_sync(connect, st.netns, OUT_B)
+            finally:
+                assert await net.down("moving-00000000", env_dir) == []
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(scenario)
+    finally:
+        resolver.close()
+        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
+    assert weenv_links(table) == []
+    assert _addresses_in(rng) == []

@@ -158,6 +158,8 @@ def test_base_keeps_to_its_own_table() -> None:
     assert "flush ruleset" not in script
     assert 'add element inet weenv egress { "eth9" }' in script
     assert "ip saddr 10.213.0.0/16 oifname @egress masquerade" in script
+    assert "add rule inet weenv forward iifname @fwd_guard ct state new,invalid,untracked drop" in script
+    assert 'add element inet weenv fwd_guard { "eth9" }' in script
     assert "element inet weenv egress" not in render_base("weenv", RANGE, [])  # none named: no way out
 
 

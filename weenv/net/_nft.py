@@ -5,7 +5,8 @@ adds to the kernel, so nothing else in the node's ruleset is read, flushed or ch
 
     forward (filter, priority -10): iifname vmap @env_out   env → elsewhere: its o_<key> chain
                                      oifname vmap @env_back  elsewhere → env: its b_<key> chain
-                                     iifname @fwd_guard drop forwarding weenv turned on carries envs only
+                                     iifname @fwd_guard ct state new,invalid,untracked drop:
+                                       forwarding weenv turned on carries replies only
     input   (filter, priority -10): iifname vmap @env_in    env → the node: its i_<key> chain
     postrouting (nat, srcnat):       from the range, out of an @egress interface: masquerade
 
@@ -63,7 +64,7 @@ def render_base(table: str, egress_range: ipaddress.IPv4Network, egress_ifaces: 
         f"flush chain {t} forward", f"flush chain {t} input", f"flush chain {t} postrouting",
         f"add rule {t} forward iifname vmap @env_out",
         f"add rule {t} forward oifname vmap @env_back",
-        f"add rule {t} forward iifname @fwd_guard drop",
+        f"add rule {t} forward iifname @fwd_guard ct state new,invalid,untracked drop",
         f"add rule {t} input iifname vmap @env_in",
         f"add rule {t} postrouting ip saddr {egress_range} oifname @egress masquerade",
         f"flush set {t} egress", f"flush set {t} fwd_guard",
