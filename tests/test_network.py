@@ -274,6 +274,22 @@ def _env_chains(table: str) -> list[str]:
             and i["chain"]["name"][:2] in ("o_", "i_", "b_")]
 
 
+def test_forked_children_get_networks_of_their_own(daemon: EgressDaemon) -> None:
+    with daemon.client() as c:
+        parent = c.create(_lock(daemon, allow=[f"{OUT_A}:{PORT}"]))
+        parent.exec("echo state > /tmp/mark")
+        children = parent.fork(2, keep=True)
+        addresses = {_info(daemon, e.id)["address"] for e in (parent, *children)}
+        assert len(addresses) == 3
+        for child in children:
+            assert child.exec("busybox cat /tmp/mark").stdout == b"state\n"
+            assert _reachable(child, f"http://{OUT_A}:{PORT}/id")
+            assert not _reachable(child, f"http://{OUT_B}:{PORT}/id")
+        for e in (*children, parent):
+            e.kill()
+    assert weenv_links(daemon.world.table) == []
+
+
 def test_32_concurrent_egress_envs_leave_nothing(daemon: EgressDaemon) -> None:
     w = daemon.world
     with daemon.client() as c:
