@@ -198,10 +198,11 @@ def test_tls(served: Served, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("SSL_CERT_FILE", ca)  # how both clients are told to trust it
         with weenv.Client(secure.url, token=served.keys["alice"]) as c:
             assert c.ping()["pid"] > 0
-        sbx = e2b.Sandbox.create("bb", timeout=60, api_url=secure.url, sandbox_url=secure.url)
-        try:
-            assert sbx.commands.run("echo over-tls").stdout == "over-tls\n"
-        finally:
-            sbx.kill()
+        # the SDK's connection pool is process-wide, made with the trust of its first use: a fresh process
+        script = ("import e2b\ns = e2b.Sandbox.create('bb', timeout=60)\n"
+                  "try:\n    print(s.commands.run('echo over-tls').stdout, end='')\nfinally:\n    s.kill()\n")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "E2B_API_URL": secure.url, "E2B_SANDBOX_URL": secure.url})
+        assert out.returncode == 0 and out.stdout == "over-tls\n", out.stderr[-2000:]
     finally:
         stop_serve(secure)

@@ -224,3 +224,23 @@ def test_timeout_expiry_kills(served: Served) -> None:
 def test_update_network_without_egress_says_why(sbx) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(e2b.SandboxException, match="no egress network"):
         sbx.update_network({"deny_out": ["10.0.0.0/8"]})
+
+
+def test_timeout_pauses_with_lifecycle_pause(served: Served) -> None:
+    import time
+
+    s = e2b.Sandbox.create("bb", timeout=2, lifecycle={"on_timeout": "pause"})
+    try:
+        s.files.write("/tmp/kept", "yes")
+        assert e2b.Sandbox.get_info(s.sandbox_id).state.value == "running"
+        deadline = time.monotonic() + 20
+        while e2b.Sandbox.get_info(s.sandbox_id).state.value != "paused":
+            assert time.monotonic() < deadline, "not paused 20 s after its timeout of 2 s"
+            time.sleep(0.2)
+        time.sleep(3)  # paused is where it stays: never killed for its timeout
+        assert e2b.Sandbox.get_info(s.sandbox_id).state.value == "paused"
+        again = e2b.Sandbox.connect(s.sandbox_id, timeout=60)
+        assert again.files.read("/tmp/kept") == "yes"
+        assert again.get_info().state.value == "running"
+    finally:
+        s.kill()

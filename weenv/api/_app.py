@@ -15,9 +15,13 @@ puts the caller (``weenv.key``) or the target env (``weenv.env``) into the scope
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import AsyncIterator
 from typing import Any
+
+import anyio
 
 import msgspec
 from starlette.applications import Starlette
@@ -179,8 +183,16 @@ def create_app(backend: Backend | None = None, *, domain: str | None = None, hom
 
     state = ApiState(backend=backend or NodeBackend(), keys=KeyStore(home), owners=OwnerTable(home),
                      templates=TemplateStore(home), tokens=AccessTokens(home), metrics=ApiMetrics(), domain=domain)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_e2b.pause_reaper, state)
+            yield
+            tg.cancel_scope.cancel()
+        await state.backend.aclose()
+
     control = Starlette(routes=[Route("/metrics", _metrics, methods=["GET"]), *_native.routes(), *_e2b.routes()],
-                        exception_handlers={HttpError: _control_error})
+                        exception_handlers={HttpError: _control_error}, lifespan=lifespan)
     envd = Starlette(routes=_envd.routes(), exception_handlers={HttpError: _envd_error})
     control.state.api = envd.state.api = state
     gate = Gate(control, envd, state)

@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ._common import (ENVD_VERSION, ApiState, HttpError, daemon_errors, key_of, owned, owned_snapshot, read_body,
-                      state_of)
+from ._common import (ENVD_VERSION, ApiState, HttpError, daemon_errors, key_of, log, owned, owned_snapshot,
+                      read_body, state_of)
 from ._store import ApiKey
 
 DEFAULT_TIMEOUT_S = 300
@@ -112,7 +112,7 @@ def _listed(info: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
     cpu = (res.get("cpu") or {}).get("max_cores") or (res.get("cpu") or {}).get("quota_cores") or 1
     mem = (res.get("memory") or {}).get("max_bytes") or (res.get("memory") or {}).get("limit_bytes") or 0
     started = float(rec.get("started_s") or info.get("created_s") or time.time())
-    end = info.get("expires_s") or started + float(rec.get("timeout_s") or MAX_TIMEOUT_S)
+    end = rec.get("pause_at_s") or info.get("expires_s") or started + float(rec.get("timeout_s") or MAX_TIMEOUT_S)
     return {"templateID": rec.get("template") or info.get("name", ""), "sandboxID": info["id"],
             "alias": rec.get("template"), "clientID": "weenv", "startedAt": _iso(started), "endAt": _iso(end),
             "cpuCount": max(1, math.ceil(float(cpu))), "memoryMB": int(mem) // (1 << 20), "diskSizeMB": 0,
@@ -121,7 +121,7 @@ def _listed(info: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
 
 def _detail(state: ApiState, info: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
     return {**_listed(info, rec), "envdAccessToken": state.tokens.mint(info["id"]), "domain": state.domain,
-            "lifecycle": {"autoResume": False, "onTimeout": "kill"}}
+            "lifecycle": {"autoResume": False, "onTimeout": rec.get("on_timeout") or "kill"}}
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -223,12 +223,16 @@ async def create(request: Request) -> Response:
     body: NewSandbox = await _decode(request, NewSandbox)
     timeout_s = _timeout(body.timeout)
     entry = _resolve_template(state, key, body.templateID)
-    req = _create_request(entry, body, timeout_s)
+    on_timeout = "pause" if body.autoPause else "kill"
+    # a pausing timeout is the API's own timer (the daemon's TTL kills): see pause_reaper
+    req = _create_request(entry, body, timeout_s if on_timeout == "kill" else None)
     client = state.backend.for_create(req)
     async with daemon_errors():
         info = (await client._request("POST", "/v1/envs", json=req)).json()
     rec = {"owner": key.name, "template": body.templateID, "metadata": body.metadata or {},
-           "started_s": info.get("created_s") or time.time(), "timeout_s": timeout_s}
+           "started_s": info.get("created_s") or time.time(), "timeout_s": timeout_s, "on_timeout": on_timeout}
+    if on_timeout == "pause":
+        rec["pause_at_s"] = time.time() + (timeout_s or DEFAULT_TIMEOUT_S)
     state.owners.put_env(info["id"], rec)
     return _json(_sandbox(state, info["id"], rec), 201)
 
@@ -278,9 +282,34 @@ async def pause(request: Request) -> Response:
 
 
 async def _set_ttl(state: ApiState, env_id: str, timeout_s: int) -> None:
+    """The sandbox times out ``timeout_s`` from now: killed by the daemon's TTL, or paused by the API."""
+    rec = state.owners.env(env_id) or {}
+    if rec.get("on_timeout") == "pause":
+        state.owners.update_env(env_id, timeout_s=timeout_s, pause_at_s=time.time() + timeout_s)
+        return
     async with daemon_errors():
         await state.backend.for_env(env_id)._request("POST", f"/v1/envs/{env_id}/ttl", json={"ttl_s": timeout_s})
     state.owners.update_env(env_id, timeout_s=timeout_s)
+
+
+async def pause_reaper(state: ApiState, interval_s: float = 0.5) -> None:
+    """Pause the sandboxes created with ``on_timeout: pause`` whose time is up (runs for ever)."""
+    import anyio
+
+    while True:
+        await anyio.sleep(interval_s)
+        now = time.time()
+        for env_id, rec in state.owners.envs().items():
+            if rec.get("on_timeout") != "pause" or not rec.get("pause_at_s") or rec["pause_at_s"] > now:
+                continue
+            try:
+                async with daemon_errors():
+                    await state.backend.for_env(env_id)._request("POST", f"/v1/envs/{env_id}/pause")
+            except HttpError as e:
+                if e.status not in (404, 409):  # gone, or paused already: either way nothing to wait for
+                    log.warning("pausing timed-out sandbox %s: %s", env_id, e.message)
+                    continue
+            state.owners.update_env(env_id, pause_at_s=None)
 
 
 async def connect(request: Request) -> Response:
@@ -294,6 +323,8 @@ async def connect(request: Request) -> Response:
             await state.backend.for_env(env_id)._request("POST", f"/v1/envs/{env_id}/resume")
     if timeout_s is not None:
         await _set_ttl(state, env_id, timeout_s)
+    elif resumed and rec.get("on_timeout") == "pause":  # a resumed sandbox gets its timeout again
+        await _set_ttl(state, env_id, int(rec.get("timeout_s") or DEFAULT_TIMEOUT_S))
     return _json(_sandbox(state, env_id, rec), 201 if resumed else 200)
 
 
