@@ -216,6 +216,8 @@ class GvisorRuntime(CrunRuntime):
         if platform is not None and platform not in PLATFORMS:
             raise HostError(f"unknown gVisor platform {platform!r} (this runsc knows {', '.join(PLATFORMS)})")
         self.platform = platform  # None until the first create probes it (off the daemon's start)
+        self.platform_probe: PlatformProbe | None = None
+        self._probe_lock = trio.Lock()
         self.max_output_bytes = max_output_bytes
         self.drain_grace_s = drain_grace_s
         self.kill_grace_s = kill_grace_s
@@ -227,6 +229,20 @@ class GvisorRuntime(CrunRuntime):
         self._known: dict[str, tuple[int, dict]] = {}
         self._started: set[str] = set()
         self._agents: dict[str, tuple[str, User]] = {}  # always empty: no agent under gVisor
+
+    async def ensure_platform(self) -> str:
+        """The platform, probed (in a worker thread, once, however many envs start at once) unless
+        given or cached: the first gVisor env on a new runsc or kernel pays ~1 s, plus the kvm
+        probe's 5 s bound where kvm hangs."""
+        async with self._probe_lock:
+            if self.platform is None:
+                found = await trio.to_thread.run_sync(
+                    lambda: probe_platform(self.runsc, self.host.require_init(), cache_dir=self.state_dir))
+                self.platform_probe = found
+                self.platform = found.platform
+                log.info("gVisor envs run on the %s platform (%s)", found.platform,
+                         ", ".join(f"{k}: {v}" for k, v in found.results.items()))
+        return self.platform
 
     async def _crun(self, *args: str, env_id: str | None = None) -> bytes:
         proc = await trio.run_process([*self._base, *args], capture_stdout=True, capture_stderr=True, check=False)
@@ -261,10 +277,7 @@ class GvisorRuntime(CrunRuntime):
         if listen_fd is not None:
             raise ContainerError("gVisor envs have no in-env agent (runsc cannot pass it a socket)", env_id=env_id)
         spec = gvisor_spec(spec, rootfs)
-        platform = self.platform
-        if platform is None:
-            platform = self.platform = (await trio.to_thread.run_sync(
-                lambda: probe_platform(self.runsc, self.host.require_init(), cache_dir=self.state_dir))).platform
+        platform = await self.ensure_platform()
         bundle_dir = os.path.abspath(bundle_dir)
         pid_file = os.path.join(bundle_dir, "init.pid")
         log_path = os.path.join(bundle_dir, "runsc.log")
