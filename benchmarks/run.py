@@ -26,6 +26,7 @@ BENCHMARKS = [
     ("start_crun", "runtime: create+start+exec vs bare crun run", 900),
     ("start", "warm start through the daemon vs bare crun run", 900),
     ("runtimes", "crun vs gVisor: start latency and exec round trip in the same run", 900),
+    ("isolation", "user namespaces: start latency and exec round trip with vs without, same run", 900),
     ("network", "egress envs: start vs network = none, NAT vs loopback throughput", 900),
     ("snapshot", "pause, resume, commit, fork vs cp -a", 900),
     ("monitor_overhead", "monitor CPU per 100 envs", 900),
