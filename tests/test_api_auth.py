@@ -206,3 +206,26 @@ def test_tls(served: Served, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert out.returncode == 0 and out.stdout == "over-tls\n", out.stderr[-2000:]
     finally:
         stop_serve(secure)
+
+
+def test_only_admin_plans_reach_the_node(served: Served) -> None:
+    import json
+    import tomllib
+
+    with open(served.daemon.plan_lock) as f:
+        lock = f.read()
+    mounts = {**tomllib.loads(lock), "mounts": [{"source": "/etc", "target": "/host-etc"}]}
+    host_net = {**tomllib.loads(lock), "network": "host"}
+    with weenv.Client(served.url, token=served.keys["alice"]) as c:
+        for body in ({"plan": mounts}, {"plan_text": json.dumps(host_net), "format": "json"},
+                     {"plan_text": lock, "overrides": {"network": "host"}}):
+            r = c._http.post("/v1/envs", json=body)
+            assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], r.text
+        assert c.list() == []
+        r = c._http.post("/v1/envs", json={"plan_text": "not = [toml"})
+        assert r.status_code == 400 and "not a toml document" in r.text
+    with weenv.Client(served.url, token=served.keys["root"]) as c:  # an admin may (the daemon checks the rest)
+        r = c._http.post("/v1/envs", json={"plan": mounts})
+        assert r.status_code != 403, r.text
+        if r.status_code == 201:
+            c.get(r.json()["id"]).kill()

@@ -9,7 +9,9 @@ admin key.
 
 from __future__ import annotations
 
+import json
 import time
+import tomllib
 from typing import Any
 
 import httpx
@@ -44,15 +46,40 @@ def _record_snapshot(state: ApiState, key: ApiKey, snap_id: str, source_env: str
                                         "created_s": time.time()})
 
 
+def _plan_doc(req: dict[str, Any]) -> dict[str, Any]:
+    """The plan a create request carries, as builtins (the daemon validates it; this only reads it)."""
+    if isinstance(req.get("plan"), dict):
+        return req["plan"]  # type: ignore[no-any-return]
+    text = req.get("plan_text")
+    if not isinstance(text, str):
+        return {}
+    try:
+        doc = json.loads(text) if req.get("format") == "json" else tomllib.loads(text)
+    except ValueError as e:
+        raise HttpError(400, "bad_plan", f"request body $.plan_text: not a {req.get('format', 'toml')} "
+                        f"document: {e}") from None
+    return doc if isinstance(doc, dict) else {}
+
+
 async def _check_create(state: ApiState, key: ApiKey, body: bytes) -> None:
-    """A create from a snapshot must name one the key owns."""
+    """A create must name a snapshot the key owns; and without an admin key, a plan may reach
+    nothing of the node: no host bind mounts, not the node's network."""
     try:
         req = msgspec.json.decode(body or b"{}")
     except msgspec.DecodeError:
         return  # the daemon says what is wrong with it
-    if isinstance(req, dict) and isinstance(req.get("snapshot"), str):
-        if owned_snapshot(state, key, req["snapshot"]) is None and not key.admin:
-            raise HttpError(404, "snapshot_not_found", f"snapshot {req['snapshot']!r} not found")
+    if not isinstance(req, dict) or key.admin:
+        return
+    if isinstance(req.get("snapshot"), str) and owned_snapshot(state, key, req["snapshot"]) is None:
+        raise HttpError(404, "snapshot_not_found", f"snapshot {req['snapshot']!r} not found")
+    overrides = req.get("overrides") if isinstance(req.get("overrides"), dict) else {}
+    doc = _plan_doc(req)
+    net = doc.get("network")
+    mode = net.get("mode") if isinstance(net, dict) else net
+    if overrides.get("network") == "host" or mode == "host":
+        raise HttpError(403, "forbidden", "network \"host\" (the node's own network) needs an admin key")
+    if doc.get("mounts"):
+        raise HttpError(403, "forbidden", "host bind mounts ($.mounts) need an admin key")
 
 
 async def proxy(request: Request) -> Response:
