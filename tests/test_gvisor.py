@@ -404,3 +404,28 @@ def test_an_env_over_its_hard_memory_limit_dies_whole_and_exec_says_so(gvisor_ru
         assert (await gvisor_runtime.state(env.env_id)).status == "stopped"
 
     run(main)
+
+
+def test_a_node_whose_default_is_gvisor_runs_plans_that_name_no_runtime_there(monkeypatch, gvisor_platform):
+    import tempfile
+
+    from tests.fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon
+
+    home = tempfile.mkdtemp(prefix="weenv-gvdefault-")
+    plan, lock = busybox_plan(home, "gvdefault")
+    d = DaemonHandle(home, os.path.join(home, "run", "weenv.sock"), f"weenv-gvdefault-{os.getpid()}", lock, plan,
+                     os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
+    monkeypatch.setenv("WEENV_RUNTIME", "gvisor")  # what weenv daemon --runtime gvisor sets
+    d.start()
+    try:
+        with d.client() as c:
+            with c.create(lock) as env:
+                assert _in_gvisor(env)
+            crun_lock = os.path.join(home, "crun.lock.toml")
+            with open(crun_lock, "w") as f:
+                f.write('runtime = "crun"\n' + open(lock).read())
+            with c.create(crun_lock) as env:  # a plan that names crun still gets it
+                assert not _in_gvisor(env)
+    finally:
+        left = teardown_private_daemon(d)
+    assert not left, left

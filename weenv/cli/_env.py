@@ -85,8 +85,9 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
               help="nftables table (inet) holding weenv's rules; nothing else is touched [default: weenv].")
 @click.option("--egress-dns", default=None, metavar="ADDR[:PORT]",
               help="DNS server that resolves the host names in allow lists [default: the node's resolver].")
-@click.option("--runtime", "default_runtime", type=click.Choice(["crun", "gvisor"]), default="crun", show_default=True,
-              help="Runtime of plans that name none: crun (containers) or gvisor (runsc, for code nobody trusts).")
+@click.option("--runtime", "default_runtime", type=click.Choice(["crun", "gvisor"]), default=None,
+              help="Runtime of plans that name none: crun (containers) or gvisor (runsc, for code nobody trusts) "
+                   "[default: crun, or $WEENV_RUNTIME].")
 @click.option("--node-name", default=None, metavar="NAME",
               help="Start every env id with NAME- (1-12 of a-z0-9; a cluster routes ids by it) [default: $WEENV_NODE_NAME].")
 @click.option("--userns/--no-userns", default=None,
@@ -103,7 +104,7 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                layer_trees_after: int | None, layer_trees_size: int | None, debug: bool,
                egress_interfaces: tuple[str, ...] = (), egress_range: str | None = None,
                egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0,
-               node_name: str | None = None, default_runtime: str = "crun", userns: bool | None = None,
+               node_name: str | None = None, default_runtime: str | None = None, userns: bool | None = None,
                userns_base: int | None = None) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
@@ -147,7 +148,8 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
             except ValueError as e:
                 raise click.BadParameter(str(e), param_hint=hint) from None
     config.egress_interfaces = list(egress_interfaces)
-    config.runtime = default_runtime
+    if default_runtime is not None:
+        config.runtime = default_runtime
     if node_name is not None:
         import re
 

@@ -68,7 +68,8 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     envlet_check_interval_s: float = 0.5  # a ping is ~0.1 ms; a dead envlet is back within 2 s (start ~0.7 s)
     cgroup_root: str = "weenv"  # weenv's parent group, under this process's own cgroup
     use_agent: bool = True  # weenv-agent as the env init (fast exec); False: catatonit + crun exec
-    runtime: str = "crun"  # runtime of plans that name none: "crun" or "gvisor" (runsc; docs/security.md)
+    # runtime of plans that name none: "crun" or "gvisor" (runsc; docs/security.md); env WEENV_RUNTIME
+    runtime: str = msgspec.field(default_factory=lambda: os.environ.get("WEENV_RUNTIME") or "crun")
     # envs kept started per recently used lock, handed out by create (0: off; env WEENV_POOL_SIZE)
     pool_size: int = msgspec.field(default_factory=lambda: int(os.environ.get("WEENV_POOL_SIZE", "0") or 0))
     pool_idle_s: float = msgspec.field(  # a lock's pool is dropped after this long without a create
