@@ -228,3 +228,30 @@ def test_cli_token_and_template(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) 
     assert run.invoke(main, ["template", "rm", "base"]).exit_code == 0
     r = run.invoke(main, ["--host", "ftp://x", "ps"])
     assert r.exit_code == 2 and "not an http:// or https:// URL" in r.output
+
+
+def test_watchers_are_bounded_per_env(home: str) -> None:
+    from weenv.api._envd import MAX_WATCHERS_PER_ENV
+
+    files = "/v1/envs/e-1/files"
+
+    class Dirs(FakeDaemon):
+        async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+            if url == files and kw["params"].get("op") == "stat":
+                return httpx.Response(200, json={"name": "d", "kind": "dir", "size_bytes": 0, "mode": 0o755,
+                                                 "uid": 0, "gid": 0, "mtime_s": 1.0})
+            if url == files and kw["params"].get("op") == "list":
+                return httpx.Response(200, json=[])
+            return await super()._request(method, url, **kw)
+
+    app = create_app(OneDaemon(Dirs({})), home=home)
+    headers = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return [await c.post("/filesystem.Filesystem/CreateWatcher", json={"path": "/d"}, headers=headers)
+                    for _ in range(MAX_WATCHERS_PER_ENV + 1)]
+
+    answers = asyncio.run(go())
+    assert all(r.status_code == 200 and r.json()["watcherId"] for r in answers[:-1])
+    assert answers[-1].status_code == 429 and answers[-1].json()["code"] == "resource_exhausted"

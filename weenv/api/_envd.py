@@ -42,7 +42,10 @@ from ._connect import (STREAM_CONTENT_TYPE, UNARY_CONTENT_TYPE, Code, ConnectErr
 MAX_RPC_BODY_BYTES = 1 << 20
 MAX_LIST_ENTRIES = 10_000
 MAX_WATCH_ENTRIES = 10_000
-MAX_WATCHERS = 256
+MAX_WATCHERS = 4096
+MAX_WATCHERS_PER_ENV = 64
+MAX_WATCH_DIRS = 256
+WATCHER_IDLE_S = 600.0
 WATCH_POLL_S = 0.25
 KEEPALIVE_S = 50.0
 
@@ -193,13 +196,19 @@ async def fs_move(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
     return {"entry": await _entry(view, await view.stat(dst), dst)}
 
 
-async def _walk(view: EnvView, root: str, depth: int, limit: int) -> list[tuple[str, dict[str, Any]]]:
-    """``(path, info)`` under ``root`` down to ``depth`` levels, at most ``limit`` of them."""
+async def _walk(view: EnvView, root: str, depth: int, limit: int,
+                max_dirs: int = 1 << 30) -> list[tuple[str, dict[str, Any]]]:
+    """``(path, info)`` under ``root`` down to ``depth`` levels, at most ``limit`` of them, from at
+    most ``max_dirs`` directories (each one is a daemon round trip)."""
     out: list[tuple[str, dict[str, Any]]] = []
     level = [root]
+    listed = 0
     for _ in range(max(1, depth)):
         nxt = []
         for directory in level:
+            listed += 1
+            if listed > max_dirs:
+                return out
             for info in await view.listdir(directory):
                 path = posixpath.join(directory, info["name"])
                 out.append((path, info))
@@ -235,10 +244,12 @@ class Watcher:
     path: str
     recursive: bool
     seen: dict[str, tuple[str, int, float]] = field(default_factory=dict)
+    used_s: float = field(default_factory=time.monotonic)
 
 
 async def _look(view: EnvView, w: Watcher) -> dict[str, tuple[str, int, float]]:
-    found = await _walk(view, w.path, 16 if w.recursive else 1, MAX_WATCH_ENTRIES)
+    w.used_s = time.monotonic()
+    found = await _walk(view, w.path, 16 if w.recursive else 1, MAX_WATCH_ENTRIES, MAX_WATCH_DIRS)
     return {posixpath.relpath(p, w.path): (i.get("kind", ""), int(i.get("size_bytes", 0)), float(i.get("mtime_s", 0)))
             for p, i in found}
 
@@ -269,6 +280,12 @@ async def _new_watcher(view: EnvView, req: dict[str, Any]) -> Watcher:
 
 async def fs_create_watcher(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
     watchers = view.state.watchers
+    now = time.monotonic()
+    for wid in [wid for wid, w in watchers.items() if now - w.used_s > WATCHER_IDLE_S]:
+        del watchers[wid]  # nobody asked for its events for a long time: the client forgot it
+    if sum(1 for w in watchers.values() if w.env_id == view.env_id) >= MAX_WATCHERS_PER_ENV:
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, f"sandbox {view.env_id} has {MAX_WATCHERS_PER_ENV} watchers "
+                           "already: remove some")
     if len(watchers) >= MAX_WATCHERS:
         raise ConnectError(Code.RESOURCE_EXHAUSTED, f"{MAX_WATCHERS} watchers exist already: remove some")
     w = await _new_watcher(view, req)
@@ -302,9 +319,12 @@ async def fs_watch_dir(view: EnvView, req: dict[str, Any], keepalive_s: float) -
     w = await _new_watcher(view, req)
     yield {"start": {}}
     last_sent = time.monotonic()
+    look_s = 0.0
     while True:
-        await anyio.sleep(WATCH_POLL_S)
+        await anyio.sleep(max(WATCH_POLL_S, 2 * look_s))  # a big tree is looked at less often
+        t0 = time.monotonic()
         new = await _look(view, w)
+        look_s = time.monotonic() - t0
         events, w.seen = _diff(w.seen, new), new
         for ev in events:
             yield {"filesystem": ev}
