@@ -53,6 +53,10 @@ def test_files(sbx) -> None:  # type: ignore[no-untyped-def]
     moved = sbx.files.rename("/tmp/w/a.txt", "/tmp/w/d/a2.txt")
     assert moved.path == "/tmp/w/d/a2.txt" and moved.size == 5
     assert not sbx.files.exists("/tmp/w/a.txt")
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.rename("/tmp/w/d/a2.txt", "/tmp/w/no-dir/a3.txt")
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.rename("/tmp/w/none", "/tmp/w/x")
     got = sbx.files.get_info("/tmp/w/d/a2.txt")
     assert got.type == e2b.FileType.FILE and got.size == 5 and got.owner == "root"
     assert got.permissions.startswith("-rw")

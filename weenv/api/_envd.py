@@ -191,7 +191,7 @@ async def fs_move(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
     result = (await view.client._request("POST", f"/v1/envs/{view.env_id}/exec", json=body)).json()
     if result.get("exit_code") != 0:
         err = base64.b64decode(result.get("stderr") or b"").decode("utf-8", "replace").strip()
-        raise ConnectError(Code.INVALID_ARGUMENT if "exist" not in err else Code.NOT_FOUND,
+        raise ConnectError(Code.NOT_FOUND if "No such file" in err else Code.INVALID_ARGUMENT,
                            f"move {src} to {dst}: {err or 'mv exited ' + str(result.get('exit_code'))}")
     return {"entry": await _entry(view, await view.stat(dst), dst)}
 
