@@ -255,3 +255,15 @@ def test_watchers_are_bounded_per_env(home: str) -> None:
     answers = asyncio.run(go())
     assert all(r.status_code == 200 and r.json()["watcherId"] for r in answers[:-1])
     assert answers[-1].status_code == 429 and answers[-1].json()["code"] == "resource_exhausted"
+
+
+def test_unknown_routes_answer_in_each_surfaces_shape(home: str) -> None:
+    key = KeyStore(home).create("ci")
+    app = create_app(OneDaemon(FakeDaemon({})), home=home)
+    r = _call(app, "GET", "/sandboxes/x/nope", headers={"X-API-Key": key})
+    assert r.status_code == 404 and r.json() == {"code": 404, "message": "GET /sandboxes/x/nope: not a route "
+                                                 "weenv serve has"}
+    r = _call(app, "PATCH", "/sandboxes", headers={"X-API-Key": key})
+    assert r.status_code == 405 and r.json()["code"] == 405
+    r = _call(app, "PATCH", "/v1/envs", headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 405 and r.json()["error"]["kind"] == "bad_request"

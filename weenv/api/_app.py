@@ -8,7 +8,7 @@ One app, three surfaces, told apart per request before anything else runs:
 - **/v1** (weenv's own API, proxied to the daemon) and **/metrics**: ``Authorization: Bearer KEY``.
 - everything else: E2B's control plane, ``X-API-Key: KEY``.
 
-:class:`Gate` (pure ASGI, outermost but for Starlette's error catcher) classifies, checks the
+:class:`Gate` (pure ASGI, outermost: each surface is its own Starlette app inside it) classifies, checks the
 credential with constant-time comparisons, counts and logs refusals, times every answer, and
 puts the caller (``weenv.key``) or the target env (``weenv.env``) into the scope.
 """
@@ -26,13 +26,14 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._backend import Backend, NodeBackend
-from ._common import ENVD_PORT, ApiState, HttpError, log
+from ._common import ENVD_PORT, ApiState, HttpError, daemon_errors, key_of, log, state_of
 from ._metrics import ApiMetrics
 from ._store import AccessTokens, KeyStore, OwnerTable, TemplateStore
 
@@ -152,21 +153,28 @@ class Gate:
         log.warning("refused %s request from %s:%s to %s: %s", surface, client[0], client[1], path, reason)
 
 
+def _as_http_error(request: Request, exc: Exception) -> HttpError:
+    if isinstance(exc, HttpError):
+        return exc
+    assert isinstance(exc, StarletteHTTPException)  # routing: no such path (404), wrong method (405)
+    what = "not a route weenv serve has" if exc.status_code == 404 else str(exc.detail)
+    return HttpError(exc.status_code, "not_found" if exc.status_code == 404 else "bad_request",
+                     f"{request.method} {request.url.path}: {what}")
+
+
 async def _control_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HttpError)
-    return _refusal(_surface(request.url.path), exc.status, exc.kind, exc.message)
+    e = _as_http_error(request, exc)
+    return _refusal(_surface(request.url.path), e.status, e.kind, e.message)
 
 
 async def _envd_error(request: Request, exc: Exception) -> Response:
     """envd's REST errors: ``{"code": status, "message": ...}`` (Connect calls answer their own)."""
-    assert isinstance(exc, HttpError)
-    return Response(msgspec.json.encode({"code": exc.status, "message": exc.message}), exc.status,
+    e = _as_http_error(request, exc)
+    return Response(msgspec.json.encode({"code": e.status, "message": e.message}), e.status,
                     media_type="application/json")
 
 
 async def _metrics(request: Request) -> Response:
-    from ._common import daemon_errors, key_of, state_of
-
     state = state_of(request)
     if not key_of(request).admin:
         raise HttpError(403, "forbidden", "/metrics needs an admin key (`weenv token create --admin`)")
@@ -183,6 +191,7 @@ def create_app(backend: Backend | None = None, *, domain: str | None = None, hom
 
     state = ApiState(backend=backend or NodeBackend(), keys=KeyStore(home), owners=OwnerTable(home),
                      templates=TemplateStore(home), tokens=AccessTokens(home), metrics=ApiMetrics(), domain=domain)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
@@ -192,8 +201,10 @@ def create_app(backend: Backend | None = None, *, domain: str | None = None, hom
         await state.backend.aclose()
 
     control = Starlette(routes=[Route("/metrics", _metrics, methods=["GET"]), *_native.routes(), *_e2b.routes()],
-                        exception_handlers={HttpError: _control_error}, lifespan=lifespan)
-    envd = Starlette(routes=_envd.routes(), exception_handlers={HttpError: _envd_error})
+                        exception_handlers={HttpError: _control_error, StarletteHTTPException: _control_error},
+                        lifespan=lifespan)
+    envd = Starlette(routes=_envd.routes(),
+                     exception_handlers={HttpError: _envd_error, StarletteHTTPException: _envd_error})
     control.state.api = envd.state.api = state
     gate = Gate(control, envd, state)
     gate.state = state  # type: ignore[attr-defined]
