@@ -197,6 +197,15 @@ def test_dns_answers_only_allowed_names(daemon: EgressDaemon) -> None:
         env.kill()
 
 
+def test_an_allowed_name_that_does_not_resolve_stops_the_start(daemon: EgressDaemon) -> None:
+    with daemon.client() as c:
+        with pytest.raises(Exception, match=r"nosuch\.test") as info:
+            c.create(_lock(daemon, allow=[f"nosuch.test:{PORT}"]))
+        assert "network" in str(info.value)
+        assert c.list() == []
+    assert weenv_links(daemon.world.table) == []
+
+
 def test_no_resolver_without_allowed_names(daemon: EgressDaemon) -> None:
     with daemon.client() as c:
         env = c.create(_lock(daemon, allow=[f"{OUT_A}:{PORT}"]))
