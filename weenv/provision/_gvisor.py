@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -224,7 +225,9 @@ class GvisorRuntime(CrunRuntime):
         self._private_ns = None  # runsc with --ignore-cgroups does not mind a hybrid host
         # The platform is the sandbox's: only create takes it; exec, kill, state talk to the sandbox.
         self._base = [self.runsc, "--root", self.state_dir, "--network=none", "--ignore-cgroups", "--overlay2=none",
-                      "--file-access=shared", "--file-access-mounts=shared", "--oci-seccomp"]
+                      "--file-access=shared", "--file-access-mounts=shared", "--oci-seccomp",
+                      # more runsc flags for debugging, e.g. "--debug --debug-log=/tmp/runsc/" or "--strace"
+                      *shlex.split(os.environ.get("WEENV_RUNSC_FLAGS", ""))]
         self._exec_pid_files: dict[int, tuple[str, str]] = {}  # runsc exec's pid -> (env, in-sandbox pid file)
         self._known: dict[str, tuple[int, dict]] = {}
         self._started: set[str] = set()
