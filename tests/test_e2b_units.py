@@ -267,3 +267,37 @@ def test_unknown_routes_answer_in_each_surfaces_shape(home: str) -> None:
     assert r.status_code == 405 and r.json()["code"] == 405
     r = _call(app, "PATCH", "/v1/envs", headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 405 and r.json()["error"]["kind"] == "bad_request"
+
+
+def test_dot_segments_cannot_reach_another_env(home: str) -> None:
+    from weenv.api import OwnerTable
+
+    alice = KeyStore(home).create("alice")
+    OwnerTable(home).put_env("mine-1", {"owner": "alice"})
+    OwnerTable(home).put_env("theirs-1", {"owner": "bob"})
+    daemon = FakeDaemon({})
+    app = create_app(OneDaemon(daemon), home=home)
+    for path in ("/v1/envs/mine-1/%2e%2e/theirs-1", "/v1/envs/mine-1//x"):
+        r = _call(app, "DELETE", path, headers={"Authorization": f"Bearer {alice}"})
+        assert r.status_code == 400, (path, r.text)
+
+    async def raw(path: str) -> int:  # as `curl --path-as-is` sends it: httpx would normalise it first
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "DELETE",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"t"), (b"authorization", f"Bearer {alice}".encode())],
+                 "client": ("127.0.0.1", 1), "server": ("t", 80)}
+        await app(scope, receive, send)
+        return int(sent[0]["status"])
+
+    assert asyncio.run(raw("/v1/envs/mine-1/../theirs-1")) == 400
+    r = _call(app, "GET", "/sandboxes/..", headers={"X-API-Key": alice})
+    assert r.status_code == 404
+    assert daemon.calls == []

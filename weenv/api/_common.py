@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -69,8 +70,13 @@ async def daemon_errors() -> AsyncIterator[None]:
         raise HttpError(_KIND_STATUS.get(e.kind, e.status), e.kind, e.detail) from None
 
 
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
 def owned(state: ApiState, key: ApiKey, env_id: str) -> dict[str, Any]:
     """The env's API record if ``key`` may use it; a 404 otherwise (another key's env does not exist)."""
+    if not _ID.match(env_id) or ".." in env_id:
+        raise HttpError(404, "env_not_found", f"sandbox {env_id!r} not found")
     rec = state.owners.env(env_id)
     if rec is None:
         if key.admin:

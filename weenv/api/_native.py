@@ -86,6 +86,9 @@ async def proxy(request: Request) -> Response:
     state, key = state_of(request), key_of(request)
     rest = request.path_params["rest"].strip("/")
     parts = rest.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        # the URL is normalised on the way to the daemon: envs/mine/../theirs would be theirs
+        raise HttpError(400, "bad_request", f"/v1/{rest}: empty, '.' and '..' path segments are not allowed")
     method = request.method
     if (method, rest) in _ADMIN_ONLY and not key.admin:
         raise HttpError(403, "forbidden", f"{method} /v1/{rest} needs an admin key")
