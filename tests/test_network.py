@@ -236,6 +236,21 @@ def test_policy_change_on_a_running_env(daemon: EgressDaemon) -> None:
         env.kill()
 
 
+def test_policy_change_that_allows_a_name_gives_the_env_a_resolver(daemon: EgressDaemon) -> None:
+    with daemon.client() as c:
+        env = c.create(_lock(daemon, allow=[f"{OUT_A}:{PORT}"]))
+        assert "nameserver" not in env.exec(["busybox", "cat", "/etc/resolv.conf"]).stdout.decode()
+        info = env.set_network(allow=[f"svc.test:{OTHER_PORT}"])
+        assert info["dns"] == "node" and info["resolved"] == {"svc.test": [OUT_A]}
+        assert f"nameserver {info['gateway']}" in env.exec(["busybox", "cat", "/etc/resolv.conf"]).stdout.decode()
+        code, out = _get(env, f"http://svc.test:{OTHER_PORT}/id")
+        assert code == 0 and out.strip() == f"{OUT_A}:{OTHER_PORT}", out
+        env.set_network(allow=[f"other.test:{PORT}"])  # the running resolver learns the new name
+        r = env.exec(["busybox", "nslookup", "other.test"], timeout_s=10)
+        assert r.exit_code == 0 and OUT_B in r.stdout.decode(), r
+        env.kill()
+
+
 # -- bandwidth and accounting -----------------------------------------------------------------------
 
 def test_bandwidth_limit_holds_within_20_percent(daemon: EgressDaemon) -> None:

@@ -80,6 +80,19 @@ def check_table_name(table: str) -> str:
     return table
 
 
+def _point_resolv_conf(env_dir: str, gateway: str) -> None:
+    """Rewrite the env's /etc/resolv.conf in place (it is a read-only bind of this very file, so the
+    env sees the new text; a new file would not be seen)."""
+    path = os.path.join(env_dir, "bundle", "etc", "resolv.conf")
+    try:
+        with open(path, "r+b") as f:
+            f.write(f"# weenv: network=egress, a resolver that answers only allowed names\nnameserver {gateway}\n"
+                    .encode())
+            f.truncate()
+    except FileNotFoundError:
+        pass
+
+
 class EgressNetwork:
     """Egress networking of one daemon. ``egress_interfaces``: the only interfaces traffic may
     leave the node by (none: egress envs reach only what is on the node and ``node:`` allows)."""
@@ -95,6 +108,7 @@ class EgressNetwork:
         self.states: dict[str, NetState] = {}
         self.nursery: trio.Nursery | None = None
         self._dns_scopes: dict[str, trio.CancelScope] = {}
+        self._dns_names: dict[str, dict[str, tuple[ipaddress.IPv4Address, ...]]] = {}  # what each resolver answers
         self._base_ready = False
         self._lock = trio.Lock()
         self._last_counters: dict[str, dict[str, int]] = {}
@@ -236,6 +250,7 @@ class EgressNetwork:
         self._errors.pop(env_id, None)
         st = self.states.get(env_id) or self.load(env_dir)  # its slot stays taken until the kernel let go
         scope = self._dns_scopes.pop(env_id, None)
+        self._dns_names.pop(env_id, None)
         if scope is not None:
             scope.cancel()
         if st is None:
@@ -304,10 +319,14 @@ class EgressNetwork:
             _nft.render_policy_change(self.table, st.wiring(), policy, resolved, self.range), what="policy change"))
         st.policy, st.resolved, st.resolved_s = policy.to_builtins(), resolved.to_builtins(), time.time()
         await trio.to_thread.run_sync(self._save, env_dir, st)
-        scope = self._dns_scopes.pop(st.env_id, None)
-        if scope is not None:
-            scope.cancel()
-        self._serve_dns(st)
+        names = self._dns_names.get(st.env_id)
+        if names is not None:  # the running resolver answers the new names from its next query on
+            names.clear()
+            names.update(self._allowed_names(st))
+        else:
+            self._serve_dns(st)
+            if policy.dns == "node":  # the env had no resolver: /etc/resolv.conf now names its gateway
+                await trio.to_thread.run_sync(_point_resolv_conf, env_dir, st.gateway)
 
     async def refresh_loop(self, env_dir_of: Any) -> None:
         """Re-resolve allowed host names every ``refresh_s``; a changed answer re-pins the rules."""
@@ -448,13 +467,17 @@ class EgressNetwork:
 
     # -- the env's resolver --------------------------------------------------------------------
 
+    @staticmethod
+    def _allowed_names(st: NetState) -> dict[str, tuple[ipaddress.IPv4Address, ...]]:
+        allowed = policy_from_builtins(st.policy).allowed_hosts
+        return {h: tuple(ipaddress.IPv4Address(a) for a in addrs) for h, addrs in st.resolved.items() if h in allowed}
+
     def _serve_dns(self, st: NetState) -> None:
         if self.nursery is None or policy_from_builtins(st.policy).dns != "node":
             return
         scope = trio.CancelScope()
         self._dns_scopes[st.env_id] = scope
-        names = {h: tuple(ipaddress.IPv4Address(a) for a in addrs) for h, addrs in st.resolved.items()
-                 if h in policy_from_builtins(st.policy).allowed_hosts}
+        names = self._dns_names[st.env_id] = self._allowed_names(st)
         self.nursery.start_soon(self._dns_task, st.gateway, names, scope)
 
     async def _dns_task(self, gateway: str, names: dict[str, tuple[ipaddress.IPv4Address, ...]],
