@@ -186,3 +186,17 @@ def test_the_nodes_own_token_wins_over_the_creators(tmp_path, monkeypatch):
             agent.report("creator")
     finally:
         agent._stop.set()
+
+
+def test_capacity_counts_only_the_envs_the_daemon_still_lists():
+    from weenv.cluster import capacity_from_top
+
+    top = {"node": {"cpu_cores": 2.0, "memory_total_bytes": 4 << 30, "memory_available_bytes": 3 << 30,
+                    "memory_headroom_bytes": 2 << 30},
+           "policy": {"node_memory_reserve_bytes": 512 << 20, "cpu_min_overcommit": 1.0},
+           "envs": {e: {"cpu": {"min_cores": 0.5, "used_cores": 0.1}, "memory": {"min_bytes": 64 << 20}}
+                    for e in ("a", "killed")}}
+    assert capacity_from_top(top).cpu_committed_cores == 1.0
+    cap = capacity_from_top(top, live={"a"})
+    assert cap.cpu_committed_cores == 0.5 and cap.memory_committed_bytes == 64 << 20
+    assert cap.memory_guaranteed_bytes == (4 << 30) - (512 << 20)

@@ -108,22 +108,23 @@ class NodeAgent:
             return None
 
     def _ensure_daemon(self, timeout_s: float) -> None:
-        """Attach to the daemon that answers, or start one (own session: it outlives the agent, and
-        envs outlive both)."""
+        """Attach to the daemon that answers, or start one. It is started detached (``setsid -f``:
+        own session, not the agent's child), because Ray kills a worker's children when the worker
+        exits: the daemon, and the envs, outlive the agent, and a new agent attaches to it."""
         ping = self._ping()
         if ping is None:
             os.makedirs(self.home, exist_ok=True)
             log_path = os.path.join(self.home, "cluster-daemon.log")
             with open(log_path, "ab") as out:
                 self._daemon_proc = subprocess.Popen(
-                    [sys.executable, "-m", "weenv", "daemon", "--cgroup-root", self.cgroup_root,
+                    ["setsid", "-f", sys.executable, "-m", "weenv", "daemon", "--cgroup-root", self.cgroup_root,
                      "--node-name", self.node],
-                    env={**os.environ, "WEENV_HOME": self.home}, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                    start_new_session=True)
+                    env={**os.environ, "WEENV_HOME": self.home}, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
             self.started_daemon = True
             deadline = time.monotonic() + timeout_s
             while (ping := self._ping()) is None:
-                if self._daemon_proc.poll() is not None or time.monotonic() > deadline:
+                code = self._daemon_proc.poll()
+                if (code is not None and code != 0) or time.monotonic() > deadline:
                     with open(log_path, errors="replace") as f:
                         tail = f.read()[-2000:]
                     raise ClusterError(f"node {self.node}: the weenv daemon (home {self.home}) did not start: {tail}")
@@ -135,6 +136,8 @@ class NodeAgent:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.report_interval_s):
+            if self._daemon_proc is not None:
+                self._daemon_proc.poll()  # reap a daemon that stopped (it is our child)
             try:
                 self._refresh()
             except Exception:  # the next round tries again; the report says what failed
@@ -166,7 +169,7 @@ class NodeAgent:
             top = self._get("/v1/top")
             envs = envs_from(self._get("/v1/envs"))
             snaps = snapshots_from(self._get("/v1/snapshots"))
-            capacity = capacity_from_top(top, envs=len(envs))
+            capacity = capacity_from_top(top, envs=len(envs), live={e.id for e in envs})
         except (httpx.HTTPError, ValueError, KeyError, ClusterError) as e:
             healthy, problem = False, f"daemon at {self.socket}: {e}"
         try:

@@ -109,6 +109,10 @@ class Backend(Protocol):
 
     def for_env(self, env_id: str) -> NodeClient: ...
 
+    def rank(self, req: PlacementRequest, *, limit: int | None = None) -> list[Any]:
+        """The nodes placement would pick for ``req`` now, best first."""
+        return rank(self._current_view(), req, limit=limit)
+
     def for_create(self, plan: dict[str, Any], *, snapshot: str | None = None) -> NodeClient: ...
 
 
@@ -202,6 +206,7 @@ class ClusterEnv:
     def kill(self) -> None:
         try:
             self._call("DELETE", f"/v1/envs/{self.id}", json={})
+            self.cluster._refresh_one(self.node)  # its room is free for the next placement
         finally:
             self.cluster._forget(self.id)
 
@@ -243,7 +248,7 @@ class Cluster:
                                      on_lost=self._on_lost)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._view: tuple[tuple[int, ...], ClusterView] | None = None
+        self._view: tuple[tuple[tuple[str, int, float], ...], ClusterView] | None = None
 
     # ------------------------------------------------------------------ agents
 
@@ -420,7 +425,7 @@ class Cluster:
     def _current_view(self) -> ClusterView:
         with self._lock:
             reports = self.reconciler.reports()
-        key = tuple(id(r) for r in reports)
+        key = tuple((r.node, r.seq, r.taken_s) for r in reports)
         if self._view is None or self._view[0] != key:
             self._view = (key, ClusterView(reports))
         return self._view[1]
@@ -462,6 +467,10 @@ class Cluster:
         with self._lock:
             self._published[snapshot] = rec
         return rec
+
+    def rank(self, req: PlacementRequest, *, limit: int | None = None) -> list[Any]:
+        """The nodes placement would pick for ``req`` now, best first."""
+        return rank(self._current_view(), req, limit=limit)
 
     def for_create(self, plan: dict[str, Any] | None, *, snapshot: str | None = None) -> NodeClient:
         req, _ = self._request(plan, snapshot)

@@ -72,9 +72,10 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     envs: list[EnvHeld] = []
 
 
-def capacity_from_top(top: dict[str, Any], *, envs: int | None = None) -> Capacity:
+def capacity_from_top(top: dict[str, Any], *, envs: int | None = None, live: set[str] | None = None) -> Capacity:
     """The node's capacity from its daemon's ``GET /v1/top`` answer (mirrors the daemon's admission:
-    weenv/provision/_policy.py ``admit``)."""
+    weenv/provision/_policy.py ``admit``). ``live``: the ids ``GET /v1/envs`` lists; the monitor
+    drops a killed env at its next tick, so only those count."""
     try:
         node = top["node"]
         policy = top["policy"]
@@ -85,7 +86,9 @@ def capacity_from_top(top: dict[str, Any], *, envs: int | None = None) -> Capaci
         cpu_committed = 0.0
         mem_committed = 0
         used = 0.0
-        for info in top.get("envs", {}).values():
+        for env_id, info in top.get("envs", {}).items():
+            if live is not None and env_id not in live:
+                continue
             cpu_committed += float(info["cpu"]["min_cores"] or 0.0)
             mem_committed += int(info["memory"]["min_bytes"] or 0)
             used += float(info["cpu"]["used_cores"] or 0.0)

@@ -1,0 +1,351 @@
+"""A real Ray cluster of 3 nodes on 127.0.0.1, each with its own weenv daemon, $WEENV_HOME and cgroup
+root; the cluster's store is the loopback docker-registry.
+
+The nodes are ``ray.cluster_utils.Cluster`` raylets; each node's environment carries its home
+(``env_vars={"WEENV_HOME": ...}``, as ``WEENV_HOME=/tmp/n2 ray start`` would), so the agents find
+their daemons exactly as on real nodes. The tests run in file order on one cluster (module
+fixture); the teardown stops every daemon, envlet, mount, cgroup and Ray process they made.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Ray resolves "127.0.0.1" to the machine's external address for drivers on Linux unless told this
+# is a single-host cluster; its raylets get node_ip_address=127.0.0.1 below. Set before Ray is imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.fixtures_common import require_command, require_fuse, require_root  # noqa: E402
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+TOKEN = "cluster-test-token"
+
+
+def _publish_plans(host: str, work: Path) -> tuple[dict, dict]:
+    """Two plan locks on the shared registry: busybox, and busybox + a task group."""
+    from weenv.plan import load_plan, lock_plan, plan_to_builtins
+    from weenv.registry import publish, resolve_group
+    from weenv.testing import busybox_tree
+
+    src = busybox_tree(work / "src-busybox")
+    publish(str(src), f"{host}/ct/os:test", group="os", group_class="os")
+    task = work / "src-task"
+    (task / "task").mkdir(parents=True)
+    (task / "task" / "data.bin").write_bytes(os.urandom(256 << 10))
+    publish(str(task), f"{host}/ct/task:one", group="task", group_class="task")
+    res = ('[resources]\npids = 128\ndisk = "32MiB"\n\n[resources.cpu]\nmin = 0.05\nmax = 0.5\n\n'
+           '[resources.memory]\nmin = "32MiB"\nmax = "256MiB"\n')
+    plans = []
+    for name, groups in (("bb", [("os", f"{host}/ct/os:test", "os")]),
+                         ("bt", [("os", f"{host}/ct/os:test", "os"), ("task", f"{host}/ct/task:one", "task")])):
+        text = f'name = "{name}"\n\n' + "".join(
+            f'[[groups]]\nname = "{g}"\nref = "{r}"\nclass = "{c}"\n\n' for g, r, c in groups) + res
+        path = work / f"{name}.toml"
+        path.write_text(text)
+        plans.append(plan_to_builtins(lock_plan(load_plan(str(path)), resolve_group)))
+    return plans[0], plans[1]
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie its parent, the node agent, has not reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _stop_node_daemon(home: str, cgroup_root: str) -> list[str]:
+    """Kill the node's envs, stop its daemon and envlet, unmount, remove its cgroups: what was left."""
+    import weenv
+    from weenv.envlet import EnvletClient
+    from weenv.provision.cgroups import detect_backend
+
+    sock = os.path.join(home, "run", "weenv.sock")
+    pid = None
+    try:
+        with weenv.Client(sock, autostart=False, timeout_s=60) as c:
+            pid = c.ping()["pid"]
+            for e in c.list():
+                try:
+                    c.get(e["id"]).kill()
+                except Exception:
+                    pass
+            c.gc()
+            c._request("POST", "/v1/daemon/stop", json={"kill_envs": True})
+    except Exception:
+        pass
+    if pid is not None:
+        for _ in range(400):
+            if _gone(pid):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    try:
+        epid = EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"]
+        os.kill(epid, signal.SIGTERM)
+        for _ in range(200):
+            if _gone(epid):
+                break
+            time.sleep(0.05)
+    except Exception:
+        pass
+    subprocess.run(["fusermount3", "-u", "-z", os.path.join(home, "envlet", "mnt")], capture_output=True)
+    left = []
+    with open("/proc/self/mountinfo") as f:
+        left += [f"mount {line.split()[4]}" for line in f if line.split()[4].startswith(home)]
+    try:
+        detect_backend(cgroup_root).remove_parent()
+    except Exception:
+        pass
+    for hier in ("memory", "cpu", "pids", "freezer", "cpuacct"):
+        for dirpath, _, _ in os.walk(f"/sys/fs/cgroup/{hier}"):
+            if os.path.basename(dirpath) == cgroup_root:
+                left.append(f"cgroup {dirpath}")
+    return left
+
+
+class RayWeenv:
+    def __init__(self, ray_cluster, cluster, homes, roots, plan_bb, plan_bt, registry_host):
+        self.ray_cluster, self.cluster, self.homes, self.roots = ray_cluster, cluster, homes, roots
+        self.plan_bb, self.plan_bt, self.registry_host = plan_bb, plan_bt, registry_host
+
+    def node_names(self):
+        return sorted(self.cluster.clients)
+
+
+@pytest.fixture(scope="module")
+def rw(registry):
+    require_root()
+    require_fuse()
+    require_command("crun")
+    from ray.cluster_utils import Cluster as RayCluster
+
+    import weenv.cluster as wc
+
+    t0 = time.monotonic()
+    base = Path(tempfile.mkdtemp(prefix="wct-"))
+    plan_bb, plan_bt = _publish_plans(registry.host, base)
+    homes = [str(base / f"n{i}") for i in range(3)]
+    roots = [f"weenv-ct{os.getpid()}-{i}" for i in range(3)]
+
+    def node_args(i):
+        return {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 << 20,
+                "env_vars": {"WEENV_HOME": homes[i], "WEENV_CGROUP_ROOT": roots[i], "WEENV_AUTOSTART": "0"}}
+
+    ray_cluster = RayCluster(initialize_head=True, head_node_args={
+        **node_args(0), "include_dashboard": False, "temp_dir": str(base / "ray")})
+    cluster = None
+    try:
+        for i in (1, 2):
+            ray_cluster.add_node(**node_args(i))
+        ray.init(address=ray_cluster.address, _node_ip_address="127.0.0.1", namespace="weenv",
+                 include_dashboard=False, log_to_driver=False)
+        cluster = wc.connect(token=TOKEN, store=f"{registry.host}/ct/snaps", report_interval_s=0.5,
+                             call_timeout_s=5.0, failure_threshold=3, wait_s=120)
+        cluster.wait_ready(60, nodes=3)
+        print(f"cluster of 3 nodes up in {time.monotonic() - t0:.1f} s")
+        yield RayWeenv(ray_cluster, cluster, homes, roots, plan_bb, plan_bt, registry.host)
+    finally:
+        if cluster is not None:
+            cluster.close()
+        left = []
+        t1 = time.monotonic()
+        for home, root in zip(homes, roots):
+            left += _stop_node_daemon(home, root)
+        t2 = time.monotonic()
+        ray.shutdown()
+        ray_cluster.shutdown()
+        print(f"teardown: daemons {t2 - t1:.1f} s, ray {time.monotonic() - t2:.1f} s")
+        shutil.rmtree(base, ignore_errors=True)
+        assert not left, f"the cluster tests left: {left}"
+
+
+def _ray_pids() -> set[int]:
+    import psutil
+
+    me = psutil.Process()
+    return {p.pid for p in me.children(recursive=True)}
+
+
+def _loopback(ip: str) -> bool:
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip)
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1: a v6 socket bound to the v4 loopback
+    return (mapped or addr).is_loopback
+
+
+def test_one_agent_per_node_each_with_its_own_home_daemon_and_cgroup_root(rw):
+    import psutil
+
+    hellos = {name: rw.cluster.clients[name].hello() for name in rw.node_names()}
+    assert len(hellos) == 3
+    assert sorted(h["home"] for h in hellos.values()) == sorted(rw.homes)
+    assert sorted(h["cgroup_root"] for h in hellos.values()) == sorted(rw.roots)
+    assert len({h["daemon_pid"] for h in hellos.values()}) == 3 and all(h["started_daemon"] for h in hellos.values())
+    assert all(h["token_required"] for h in hellos.values())
+    for name in rw.node_names():
+        rep = rw.cluster.report(name)
+        assert rep.healthy and rep.accepting and rep.capacity.cpu_cores > 0, rep.problem
+        assert rep.daemon_address == f"unix://{rep.home}/run/weenv.sock"
+    # every listening socket of the Ray processes and daemons this test started is on loopback
+    pids = _ray_pids() | {h["daemon_pid"] for h in hellos.values()}
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert listening
+    outside = [(c.pid, c.laddr) for c in listening if not _loopback(c.laddr.ip)]
+    print(f"{len(listening)} listening sockets of the cluster's processes: "
+          f"{sorted({c.laddr.ip for c in listening})}")
+    assert not outside, outside
+
+
+def test_a_call_without_the_token_is_refused(rw):
+    from weenv.cluster import ClusterAuthError, NodeClient
+
+    name = rw.node_names()[0]
+    stranger = NodeClient(name, rw.cluster.clients[name].actor, "not-the-token")
+    with pytest.raises(ClusterAuthError):
+        stranger.call("GET", "/v1/envs")
+
+
+def test_env_ids_name_their_node_and_creates_spread(rw):
+    c = rw.cluster
+    warm = [c.create(rw.plan_bb, node=name) for name in rw.node_names()]  # every node caches the plan
+    for env in warm:
+        assert env.id.startswith(env.node + "-"), env.id
+        env.kill()
+    from weenv.cluster import request_for
+
+    envs, seen = [], []
+    for _ in range(3):
+        seen.append([(x.node, x.cached_bytes, round(x.committed_share, 4))
+                     for x in c.rank(request_for(rw.plan_bb))])
+        envs.append(c.create(rw.plan_bb))
+    try:
+        assert sorted(e.node for e in envs) == rw.node_names(), seen  # equal caches: least committed first
+        for e in envs:
+            assert e.exec("echo hi from $(hostname)").stdout.decode().strip() == f"hi from {e.id}"
+    finally:
+        for e in envs:
+            e.kill()
+
+
+def test_an_env_whose_plan_is_cached_on_b_lands_on_b(rw):
+    c = rw.cluster
+    b = rw.node_names()[1]
+    first = c.create(rw.plan_bt, node=b)  # b now has the task layer too
+    busy = c.create(rw.plan_bb, node=b)  # and is the most committed node
+    first.kill()
+    try:
+        rep = c.report(b)
+        task_digest = rw.plan_bt["groups"][1]["layer_digest"]
+        assert task_digest in {x.digest for x in rep.layers}
+        env = c.create(rw.plan_bt)
+        assert env.node == b
+        assert env.exec("wc -c < /task/data.bin").stdout.decode().strip() == str(256 << 10)
+        env.kill()
+    finally:
+        busy.kill()
+
+
+def test_a_fork_of_a_snapshot_held_on_node_a(rw):
+    c = rw.cluster
+    a = rw.node_names()[0]
+    src = c.create(rw.plan_bb, node=a)
+    try:
+        src.exec("echo state-of-a > /root/state")
+        snap = src.commit()
+        assert snap.startswith("snap-")
+        rw.cluster.refresh()
+        assert any(s.id == snap and s.ref is None for s in c.report(a).snapshots)  # node-local
+        child = c.create(snapshot=snap)
+        assert child.node == a  # a node-local snapshot starts only at home
+        assert child.exec("cat /root/state").stdout.decode() == "state-of-a\n"
+        child.kill()
+        kids = src.fork(2)
+        assert [k.node for k in kids] == [a, a]
+        assert all(k.exec("cat /root/state").stdout.decode() == "state-of-a\n" for k in kids)
+        for k in kids:
+            k.kill()
+    finally:
+        src.kill()
+
+
+def test_a_published_snapshot_forked_onto_node_c(rw):
+    from weenv.cluster import load_published
+
+    c = rw.cluster
+    a, _, node_c = rw.node_names()
+    src = c.create(rw.plan_bb, node=a)
+    try:
+        src.exec("echo published-state > /root/state")
+        ref = src.commit(publish=True)
+        assert ref.startswith(f"{rw.registry_host}/ct/snaps:snap-")
+        lock = load_published(ref)  # any client reads it from the store
+        assert lock["groups"][-1]["registry"] == rw.registry_host
+        child = c.create(snapshot=ref, node=node_c)
+        assert child.node == node_c
+        assert child.exec("cat /root/state").stdout.decode() == "published-state\n"
+        top = lock["groups"][-1]["layer_digest"]
+        assert any(x.digest == top and x.where == "envlet" for x in c.report(node_c).layers)  # lazily, by its envlet
+        child.kill()
+    finally:
+        src.kill()
+
+
+def test_a_restarted_gateway_rebuilds_routing_from_node_reports(rw):
+    import weenv.cluster as wc
+
+    envs = [rw.cluster.create(rw.plan_bb, node=name) for name in rw.node_names()]
+    try:
+        fresh = wc.Cluster(token=TOKEN, report_interval_s=0.5).start()  # finds the same agents by name
+        try:
+            fresh.wait_ready(30, nodes=3)
+            routes = fresh.routes()
+            for e in envs:
+                assert routes[e.id] == e.node
+                assert fresh.get(e.id).exec("echo ok").stdout == b"ok\n"
+        finally:
+            fresh.close()
+    finally:
+        for e in envs:
+            e.kill()
+
+
+def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw):
+    from weenv.cluster import EnvLostError, NodeState
+
+    c = rw.cluster
+    a, b, node_c = rw.node_names()
+    on_b = c.create(rw.plan_bb, node=b)
+    on_a = c.create(rw.plan_bb, node=a)
+    told = []
+    c.on_envs_lost(told.extend)
+    ray.kill(c.clients[b].actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while c.reconciler.nodes[b].state is not NodeState.LOST and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert c.reconciler.nodes[b].state is NodeState.LOST, c.nodes()
+    with pytest.raises(EnvLostError, match=f"env {on_b.id} is lost: its node {b} was lost"):
+        on_b.exec("true")
+    assert on_b.id in c.lost_envs() and on_b.id in [e.env_id for e in told]
+    news = [c.create(rw.plan_bb) for _ in range(3)]
+    try:
+        assert b not in {e.node for e in news}
+        assert on_a.exec("echo alive").stdout.decode() == "alive\n"  # the rest of the cluster unaffected
+        assert all(c.reconciler.nodes[n].state is NodeState.HEALTHY for n in (a, node_c))
+    finally:
+        for e in news + [on_a]:
+            e.kill()
