@@ -301,3 +301,19 @@ def test_dot_segments_cannot_reach_another_env(home: str) -> None:
     r = _call(app, "GET", "/sandboxes/..", headers={"X-API-Key": alice})
     assert r.status_code == 404
     assert daemon.calls == []
+
+
+def test_daemon_gone_is_unavailable_everywhere(home: str) -> None:
+    key = KeyStore(home).create("ci")
+    app = create_app(home=home, backend=OneDaemon(FakeDaemon({})))
+    app.state.backend.client = weenv.AsyncClient(os.path.join(home, "no-daemon.sock"), autostart=False)
+    token = app.state.tokens.mint("e-1")
+    sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": token}
+    r = _call(app, "GET", "/v2/sandboxes", headers={"X-API-Key": key})
+    assert r.status_code == 503 and r.json()["message"] == "the node's weenv daemon does not answer"
+    assert _call(app, "GET", "/v1/envs", headers={"Authorization": f"Bearer {key}"}).status_code == 503
+    assert _call(app, "GET", "/files", params={"path": "/x"}, headers=sbx).status_code == 503
+    assert _call(app, "POST", "/files", params={"path": "/x"}, content=b"x",
+                 headers={**sbx, "Content-Type": "application/octet-stream"}).status_code == 503
+    r = _call(app, "POST", "/filesystem.Filesystem/Stat", json={"path": "/"}, headers=sbx)
+    assert r.status_code == 503 and r.json()["code"] == "unavailable"

@@ -65,7 +65,8 @@ async def daemon_errors() -> AsyncIterator[None]:
     try:
         yield
     except DaemonUnavailableError as e:
-        raise HttpError(503, "daemon_unavailable", str(e)) from None
+        log.error("the daemon does not answer: %s", e)  # its socket path is the operator's business
+        raise HttpError(503, "daemon_unavailable", "the node's weenv daemon does not answer") from None
     except DaemonError as e:
         raise HttpError(_KIND_STATUS.get(e.kind, e.status), e.kind, e.detail) from None
 

@@ -468,8 +468,8 @@ async def _guarded(coro: Awaitable[Any]) -> Any:
         return await coro
     except (DaemonError, HttpError) as e:
         raise _rpc_error(e) from None
-    except DaemonUnavailableError as e:
-        raise ConnectError(Code.UNAVAILABLE, str(e)) from None
+    except (DaemonUnavailableError, httpx.TransportError):
+        raise ConnectError(Code.UNAVAILABLE, "the node's weenv daemon does not answer") from None
 
 
 def _unary_error(e: ConnectError) -> Response:
@@ -542,8 +542,8 @@ async def _guarded_iter(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[
             yield ev
     except (DaemonError, HttpError) as e:
         raise _rpc_error(e) from None
-    except DaemonUnavailableError as e:
-        raise ConnectError(Code.UNAVAILABLE, str(e)) from None
+    except (DaemonUnavailableError, httpx.TransportError):
+        raise ConnectError(Code.UNAVAILABLE, "the node's weenv daemon does not answer") from None
 
 
 async def _bounded_body(request: Request) -> bytes:
@@ -592,10 +592,13 @@ async def files_get(request: Request) -> Response:
         raise HttpError(400, "bad_request", "path is required")
     view = EnvView(state_of(request), request.scope["weenv.env"], _rest_user(request))
     client = view.client
-    await client._ensure()
     params = {"path": path, **({"user": view.user} if view.user else {})}
     req = client._http.build_request("GET", f"/v1/envs/{view.env_id}/files", params=params, timeout=None)
-    resp = await client._http.send(req, stream=True)
+    try:
+        await client._ensure()
+        resp = await client._http.send(req, stream=True)
+    except (httpx.TransportError, DaemonUnavailableError):
+        raise HttpError(503, "daemon_unavailable", "the node's weenv daemon does not answer") from None
     if resp.status_code >= 400:
         await resp.aread()
         await resp.aclose()
@@ -616,6 +619,8 @@ async def _put(view: EnvView, path: str, content: Any) -> dict[str, Any]:
                                    timeout=None)
     except DaemonError as e:
         raise _rest_error(e) from None
+    except DaemonUnavailableError:
+        raise HttpError(503, "daemon_unavailable", "the node's weenv daemon does not answer") from None
     return {"name": posixpath.basename(path), "type": "file", "path": path}
 
 

@@ -118,8 +118,8 @@ async def proxy(request: Request) -> Response:
                                               headers=headers, content=content, timeout=None)
         try:
             resp = await client._http.send(upstream, stream=True)
-        except httpx.TransportError as e:
-            raise HttpError(503, "daemon_unavailable", f"the weenv daemon does not answer: {e}") from None
+        except httpx.TransportError:
+            raise HttpError(503, "daemon_unavailable", "the node's weenv daemon does not answer") from None
     if not inspect or resp.status_code >= 400:
         if method == "DELETE" and env_id is not None and len(parts) == 2 and resp.status_code < 300:
             _forget(state, env_id)
