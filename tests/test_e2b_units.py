@@ -226,6 +226,9 @@ def test_cli_token_and_template(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) 
     r = run.invoke(main, ["template", "set", "bad", str(tmp_path / "missing")])
     assert r.exit_code == 1 and "neither a lock/plan file nor a snapshot id" in r.output
     assert run.invoke(main, ["template", "rm", "base"]).exit_code == 0
+    for bad in ("127.0.0.1", "127.0.0.1:99999", ":3000"):
+        r = run.invoke(main, ["serve", "--listen", bad])
+        assert r.exit_code == 2 and "is not host:port" in r.output, r.output
     r = run.invoke(main, ["--host", "ftp://x", "ps"])
     assert r.exit_code == 2 and "not an http:// or https:// URL" in r.output
 

@@ -32,6 +32,10 @@ def serve_cmd(listen: str, tls_cert: str | None, tls_key: str | None, domain: st
 
     if bool(tls_cert) != bool(tls_key):
         raise click.UsageError("--tls-cert and --tls-key go together")
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise click.BadParameter(f"{listen!r} is not host:port (e.g. 127.0.0.1:3000, [::1]:3000)",
+                                 param_hint="--listen")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(NodeBackend(socket_path), domain=domain)
     scheme = "https" if tls_cert else "http"
