@@ -248,3 +248,11 @@ def test_timeout_pauses_with_lifecycle_pause(served: Served) -> None:
         assert again.get_info().state.value == "running"
     finally:
         s.kill()
+
+
+def test_background_command_while_its_stream_is_open(sbx) -> None:  # type: ignore[no-untyped-def]
+    handle = sbx.commands.run("sleep 0.3; echo later", background=True)
+    result = handle.wait()
+    assert result.exit_code == 0 and result.stdout == "later\n"
+    with pytest.raises(e2b.SandboxException, match="unimplemented"):
+        sbx.commands.list()

@@ -513,8 +513,8 @@ async def rpc(request: Request) -> Response:
         return StreamingResponse(_stream(STREAMS[name](view, req, max(1.0, keepalive)), deadline), 200,
                                  media_type=STREAM_CONTENT_TYPE)
     if name in NOT_YET:
-        return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: weenv serve runs foreground commands only "
-                                         "(process handles are not there yet)"))
+        return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: weenv serve runs commands only for as long "
+                                         "as their Start stream is open (no pid to signal, feed or reattach yet)"))
     return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: no such method"))
 
 
