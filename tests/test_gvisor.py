@@ -5,8 +5,7 @@ placement and limits, no network, refusals, the platform probe, and the router."
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
+import time
 
 import pytest
 import trio
@@ -65,6 +64,10 @@ def gvisor_runtime(tmp_path, gvisor_platform):
 
         run(cleanup)
         assert run(runtime.list) == []
+        deadline = time.monotonic() + 5
+        while _sandbox_pids(runtime) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _sandbox_pids(runtime), "gofer or sandbox processes left behind"
 
 
 def _sandbox_pids(runtime) -> list[int]:
@@ -429,3 +432,57 @@ def test_a_node_whose_default_is_gvisor_runs_plans_that_name_no_runtime_there(mo
     finally:
         left = teardown_private_daemon(d)
     assert not left, left
+
+
+# -- the runtime seam's conformance suite, on gVisor ------------------------------------------------
+
+
+@pytest.fixture
+def gvisor_harness(gvisor_runtime, tmp_path):
+    from tests.fixtures_runtime import make_busybox_rootfs
+    from tests.test_runtime import Harness
+
+    return Harness("gvisor", gvisor_runtime, tmp_path, make_busybox_rootfs(str(tmp_path / "rootfs")))
+
+
+def test_conformance_exec_on_gvisor(gvisor_harness):
+    from tests.test_runtime import test_conformance_exec
+
+    test_conformance_exec(gvisor_harness)
+
+
+def test_conformance_exec_before_start_and_after_stop_fail_on_gvisor(gvisor_harness):
+    from tests.test_runtime import test_conformance_exec_before_start_and_after_stop_fail
+
+    test_conformance_exec_before_start_and_after_stop_fail(gvisor_harness)
+
+
+def test_conformance_lifecycle_on_gvisor(gvisor_harness):
+    """As the seam's lifecycle test, but for the one documented difference: create already lets the
+    init run (runsc run --detach), so the env is "running" before start; exec still waits for start."""
+    from weenv.provision._errors import ContainerExistsError
+
+    rt = gvisor_harness.runtime
+
+    async def main():
+        pid = await gvisor_harness.create("c1")
+        assert pid > 0
+        st = await rt.state("c1")
+        assert (st.id, st.status, st.pid) == ("c1", "running", pid)
+        with pytest.raises(ContainerError, match="not started"):
+            await rt.exec("c1", ["true"])
+        await rt.start("c1")
+        assert [s.id for s in await rt.list()] == ["c1"]
+        with pytest.raises(ContainerExistsError):
+            await gvisor_harness.create("c1")
+        await rt.kill("c1", 9)
+        with trio.fail_after(10):
+            while (await rt.state("c1")).status != "stopped":
+                await trio.sleep(0.01)
+        await rt.delete("c1")
+        await rt.delete("c1")  # idempotent
+        with pytest.raises(ContainerNotFoundError):
+            await rt.state("c1")
+        assert await rt.list() == []
+
+    run(main)

@@ -195,7 +195,11 @@ def _ps_table(out: bytes) -> dict[int, int]:
 
 class GvisorRuntime(CrunRuntime):
     """Runs runsc for real. ``run_dir`` is weenv's; runsc's state goes to ``run_dir/runsc``.
-    ``platform`` None: probed (and cached in the state directory)."""
+    ``platform`` None: probed (and cached in the state directory).
+
+    One difference from the seam: :meth:`create` already lets the init run (``runsc run
+    --detach``, ~40 ms less than create + start), so the env is "running" before :meth:`start`;
+    exec still waits for start. Nothing weenv does between the two needs the init parked."""
 
     name = "gvisor"
     supports_agent = False
@@ -279,6 +283,10 @@ class GvisorRuntime(CrunRuntime):
     ) -> int:
         if listen_fd is not None:
             raise ContainerError("gVisor envs have no in-env agent (runsc cannot pass it a socket)", env_id=env_id)
+        # runsc itself, given an id it already has, fails and takes the existing container's state
+        # with it (its sandbox left running with nothing to find it by): refuse before it runs.
+        if env_id in self._known or os.path.exists(os.path.join(self.state_dir, f"{env_id}_sandbox:{env_id}.state")):
+            raise ContainerExistsError("a container with this id already exists", env_id=env_id)
         spec = gvisor_spec(spec, rootfs)
         platform = await self.ensure_platform()
         bundle_dir = os.path.abspath(bundle_dir)
@@ -317,8 +325,11 @@ class GvisorRuntime(CrunRuntime):
                     pass
             if proc.returncode == TRAMPOLINE_FAILED and not detail:
                 detail = f"could not write the new process into {', '.join(cgroup_procs)}"
-            if "already exists" in detail:
-                raise ContainerExistsError("a container with this id already exists", env_id=env_id, detail=detail)
+            if "already exists" in detail or "address already in use" in detail:
+                # the latter: a sandbox of this id holds its control socket, here or under another
+                # runsc root (the socket is in the host-wide abstract namespace); never delete it
+                raise ContainerExistsError("a container with this id already exists (gVisor sandbox ids are host-wide)",
+                                           env_id=env_id, detail=detail)
             with trio.CancelScope(shield=True):
                 await self.delete(env_id)
             raise ContainerError(f"runsc run failed with exit status {proc.returncode}", env_id=env_id, detail=detail)
