@@ -47,11 +47,27 @@ from .cgroups import CgroupBackend, detect_backend
 log = logging.getLogger("weenv.daemon")
 
 
+def _alive(pid: int) -> bool:
+    """A zombie nobody reaps (the envlet is not always our child) is gone."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class DaemonConfig(msgspec.Struct, kw_only=True):
     home: str = msgspec.field(default_factory=_home.home)
     envlet_cache_size_bytes: int = 20 << 30
     envlet_memory_cache_size_bytes: int = 512 << 20
-    envlet_deadline_s: float = 30.0
+    envlet_deadline_s: float = msgspec.field(  # env WEENV_ENVLET_DEADLINE_S
+        default_factory=lambda: float(os.environ.get("WEENV_ENVLET_DEADLINE_S", "30") or 30))
+    """A read the envlet cannot serve fails (EIO) after this long; an envlet that does not answer
+    its pings for this long (stopped, hung) is killed and restarted, so reads never wait for ever."""
     monitor_interval_ms: int = 200
     monitor_offload: str = "apply"
     """What the monitor runs in a worker thread: "apply" (writes only; counter reads do not block,
@@ -216,12 +232,18 @@ class Daemon:
         return self.manager.idmap.base if self.manager.idmap is not None else 0
 
     def ensure_envlet(self) -> bool:
-        """Start the envlet unless one answers; True when it had to be started."""
+        """Start the envlet unless one answers; True when it had to be started.
+
+        One that is alive but has not answered for ``envlet_deadline_s`` (SIGSTOP, a hung loop) is
+        SIGKILLed first: its FUSE connection is then aborted, so reads waiting on it fail at once
+        (ECONNABORTED/ENOTCONN, as after a crash) instead of waiting for ever."""
         try:
             info = self.envlet.ping()
         except EnvletError:
-            pass
+            if self._envlet_silent():
+                return False
         else:
+            self._envlet_pid, self._envlet_silent_since = int(info.get("pid") or 0) or None, None
             if int(info.get("id_base", 0)) != self._id_base:
                 raise EnvletError(
                     f"the running envlet (pid {info.get('pid')}) shows files owned from host id "
@@ -229,8 +251,36 @@ class Daemon:
                     f"changed): stop it first (`weenv daemon stop --kill-envs`)")
             return False
         log.info("starting the envlet")
-        self._envlet_process().start()
+        started = self._envlet_process().start()
+        self._envlet_pid, self._envlet_silent_since = started.proc.pid, None
         return True
+
+    _envlet_pid: int | None = None  # the envlet that last answered a ping
+    _envlet_silent_since: float | None = None  # monotonic time of its first unanswered ping
+
+    def _envlet_silent(self) -> bool:
+        """True while the last envlet is alive and not silent for long enough to be killed."""
+        pid = self._envlet_pid
+        if pid is None or not _alive(pid):
+            self._envlet_pid = self._envlet_silent_since = None
+            return False
+        now = time.monotonic()
+        if self._envlet_silent_since is None:
+            self._envlet_silent_since = now
+        silent_s = now - self._envlet_silent_since
+        if silent_s < self.config.envlet_deadline_s:
+            return True
+        log.error("the envlet (pid %d) has not answered for %.0f s (stopped or hung): killing it so that reads "
+                  "waiting on it fail instead of hanging; a new one starts", pid, silent_s)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = now + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._envlet_pid = self._envlet_silent_since = None
+        return False
 
     async def _supervise_envlet(self) -> None:
         while True:
@@ -335,17 +385,6 @@ class Daemon:
     def _stop_envlet(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the envlet (it unmounts), wait for it; SIGKILL and a lazy unmount past the timeout."""
         from ..envlet._server import clear_stale_mount
-
-        def _alive(pid: int) -> bool:  # a zombie nobody reaps (the envlet is not always our child) is gone
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-            except (OSError, IndexError):
-                return False
 
         try:
             info = self.envlet.ping()

@@ -4,8 +4,8 @@
   auth); :class:`RegistryProcess` has ``.host`` ("127.0.0.1:PORT"), ``.url``, ``.storage_dir``.
 - :func:`start_proxy` / :func:`stop_proxy`: a proxy in front of a registry that records
   ``(method, path, status)`` and applies the faults a caller schedules
-  (``proxy.add_fault(Fault(...))``): 500s, 429 + Retry-After, reset mid-body, Range answered with
-  200, slow answers; or that acts as a Bearer-token registry.
+  (``proxy.add_fault(Fault(...))``): 500s, 429 + Retry-After, reset mid-body, a body cut short by a
+  clean close, Range answered with 200, slow answers; or that acts as a Bearer-token registry.
 
 Processes are stopped by PID.
 """
@@ -128,7 +128,7 @@ def stop_registry(reg: RegistryProcess) -> None:
 class Fault:
     """One scheduled misbehaviour, applied to the next ``count`` requests that match."""
 
-    kind: str  # "status" | "reset_mid_body" | "ignore_range" | "slow" | "close_before_answer"
+    kind: str  # "status" | "reset_mid_body" | "truncate_body" | "ignore_range" | "slow" | "close_before_answer"
     count: int = 1
     status: int = 500
     retry_after: str | None = None
@@ -268,6 +268,11 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(half)
                     self.wfile.flush()
                     self._reset()
+                    return
+                if fault and fault.kind == "truncate_body":  # half the body, then a clean close (FIN)
+                    self.wfile.write(chunk[: max(1, len(chunk) // 2)])
+                    self.wfile.flush()
+                    self.close_connection = True
                     return
                 self.wfile.write(chunk)
                 sent += len(chunk)

@@ -1,0 +1,327 @@
+"""The fault matrix's tests that no other file had: each injects a fault into a running system (a real
+envlet over a real docker-registry behind a fault proxy, or a real daemon) and checks the promise:
+what keeps working, what fails with which clear error, what is cleaned up.
+
+Faults already tested elsewhere are cited in benchmarks/soak.py's FAULTS table (docs/reliability.md),
+not repeated here.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from weenv.envlet import StoreSpec
+from weenv.testing import (DaemonHandle, Fault, require_fuse, require_tool, start_proxy, stop_proxy,
+                           teardown_private_daemon, wait_for)
+
+from .layertrees import f, make_tree
+
+pytestmark = pytest.mark.integration
+
+DEADLINE_S = 2.0
+SLACK_S = 2.0  # thread hand-offs, the FUSE round trip, a loaded 2-core machine
+
+
+# ------------------------------------------------------------------ a layer behind a fault proxy
+
+
+@pytest.fixture
+def behind_proxy(tmp_path, envlet_factory, weenv_home):  # type: ignore[no-untyped-def]
+    """(envlet, mounted layer path, file data, proxy): a 6 MB file in a layer pulled by an envlet
+    (deadline 2 s, no read-ahead) from docker-registry through a fault proxy."""
+    from weenv.registry import publish, resolve_group
+
+    from .fixtures_registry import start_registry, stop_registry
+
+    reg = start_registry(str(tmp_path / "reg"))
+    proxy = start_proxy(reg.host)
+    try:
+        data = os.urandom(6_000_000)
+        src = make_tree(tmp_path / "src", f("big", data), f("small", b"s" * 100))
+        publish(str(src), f"{reg.host}/faults/layer:v1", group="faults", group_class="task")
+        g = resolve_group(f"{reg.host}/faults/layer:v1")
+        e = envlet_factory(deadline_s=DEADLINE_S, readahead_bytes=0)
+        info = e.client.register(StoreSpec("registry", registry=proxy.host, insecure=True), g.layer_digest,
+                                 g.layer_size, g.toc_digest, repo=g.repo)
+        yield e, os.path.join(info.path, "big"), data, proxy
+    finally:
+        with proxy.server.fault_lock:
+            proxy.faults.clear()
+        stop_proxy(proxy)
+        stop_registry(reg)
+
+
+def _read(path: str, offset: int, n: int = 50_000) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        return fh.read(n)
+
+
+def _eio_within_deadline(path: str, offset: int) -> float:
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as ei:
+        _read(path, offset)
+    took = time.monotonic() - t0
+    assert ei.value.errno == errno.EIO, ei.value
+    assert took < DEADLINE_S + SLACK_S, f"EIO after {took:.1f} s, the deadline is {DEADLINE_S} s"
+    return took
+
+
+def _clear(proxy) -> None:  # type: ignore[no-untyped-def]
+    from weenv.envlet._fetch import FAILURE_MEMORY_S
+
+    with proxy.server.fault_lock:
+        proxy.faults.clear()
+    time.sleep(FAILURE_MEMORY_S + 0.1)  # a chunk that just failed fails again at once for this long
+
+
+def test_registry_slow_10s(behind_proxy) -> None:  # type: ignore[no-untyped-def]
+    e, big, data, proxy = behind_proxy
+    assert _read(big, 0) == data[:50_000]  # cached from here on
+    proxy.add_fault(Fault("slow", count=1000, delay_s=10.0, method="GET", path_contains="/blobs/"))
+    _eio_within_deadline(big, 3_000_000)  # 2 s, not 10 s
+    assert _read(big, 0) == data[:50_000]  # what was read before is still served
+    _clear(proxy)
+    t0 = time.monotonic()
+    assert _read(big, 3_000_000) == data[3_000_000:3_050_000]
+    assert time.monotonic() - t0 < 2.0
+    assert e.alive()
+
+
+def test_5xx_storm(behind_proxy) -> None:  # type: ignore[no-untyped-def]
+    e, big, data, proxy = behind_proxy
+    proxy.add_fault(Fault("status", count=3, status=503, method="GET", path_contains="/blobs/"))
+    assert _read(big, 1_000_000) == data[1_000_000:1_050_000]  # a short storm is retried away
+    proxy.add_fault(Fault("status", count=100_000, status=500, method="GET", path_contains="/blobs/"))
+    _eio_within_deadline(big, 4_000_000)
+    _clear(proxy)
+    assert _read(big, 4_000_000) == data[4_000_000:4_050_000]
+    s = e.client.stats()
+    assert s["read_errors"] >= 1
+    assert e.alive()
+
+
+def test_range_answered_with_200_through_the_envlet(behind_proxy) -> None:  # type: ignore[no-untyped-def]
+    e, big, data, proxy = behind_proxy
+    proxy.add_fault(Fault("ignore_range", count=1000, method="GET", path_contains="/blobs/"))
+    for where in (0, 2_500_000, 5_900_000):  # each answer is the whole blob: skipped to the range
+        assert _read(big, where) == data[where:where + 50_000]
+    assert e.alive()
+
+
+def test_truncated_body_through_the_envlet(behind_proxy) -> None:  # type: ignore[no-untyped-def]
+    e, big, data, proxy = behind_proxy
+    proxy.add_fault(Fault("truncate_body", count=2, method="GET", path_contains="/blobs/"))
+    assert _read(big, 2_000_000) == data[2_000_000:2_050_000]  # retried, never short data
+    proxy.add_fault(Fault("truncate_body", count=100_000, method="GET", path_contains="/blobs/"))
+    _eio_within_deadline(big, 5_000_000)
+    _clear(proxy)
+    assert _read(big, 5_000_000) == data[5_000_000:5_050_000]
+    assert e.alive()
+
+
+def test_truncated_body_at_the_store(registry, fault_proxy, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from weenv import registry as R
+    from weenv.registry._oci import sha256_digest
+
+    data = os.urandom(1 << 20)
+    (tmp_path / "blob").write_bytes(data)
+    digest = sha256_digest(data)
+    with R.RemoteStore(registry.host, insecure=True, credentials=None) as direct:
+        direct.put_blob("faults/trunc", digest, str(tmp_path / "blob"), len(data))
+    policy = R.RetryPolicy(deadline_s=2.0, base_delay_s=0.01, max_delay_s=0.2, request_timeout_s=1.0)
+    fault_proxy.add_fault(Fault("truncate_body", count=1, method="GET"))
+    with R.RemoteStore(fault_proxy.host, insecure=True, credentials=None, policy=policy) as s:
+        assert s.read_blob("faults/trunc", digest, 1000, 500_000) == data[1000:501_000]
+        assert s.stats.retries == 1
+    fault_proxy.add_fault(Fault("truncate_body", count=100_000, method="GET"))
+    with R.RemoteStore(fault_proxy.host, insecure=True, credentials=None, policy=policy) as s:
+        t0 = time.monotonic()
+        with pytest.raises(R.RegistryError) as ei:
+            s.read_blob("faults/trunc", digest, 0, 500_000)
+        assert time.monotonic() - t0 < 2.0 + SLACK_S
+    assert digest in str(ei.value)
+
+
+# ------------------------------------------------------------------ the envlet itself
+
+
+def test_a_full_cache_disk_still_serves_reads(tmp_path, envlet_factory) -> None:  # type: ignore[no-untyped-def]
+    """The envlet's L2 on a 1 MiB tmpfs: a 6 MB file reads right, L2 counts only what it stored."""
+    from .fixtures_envlet import build_layer_file, drop_page_cache
+
+    data = os.urandom(6_000_000)
+    src = make_tree(tmp_path / "src", f("big", data))
+    layer = build_layer_file(str(src), str(tmp_path / "l"))
+    cache = tmp_path / "small" / "cache"
+    cache.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(cache)], check=True)
+    e = None
+    try:
+        e = envlet_factory("small", memory_cache_size_bytes=0)
+        info = layer.register(e)
+        path = os.path.join(info.path, "big")
+        for _ in range(2):
+            with open(path, "rb") as fh:
+                assert fh.read() == data
+            drop_page_cache()
+        s = e.client.stats()
+        st = os.statvfs(cache)
+        assert s["l2_size_bytes"] <= (st.f_blocks - st.f_bfree) * st.f_frsize + 4096
+        assert e.alive()
+    finally:
+        if e is not None:
+            e.stop()
+        subprocess.run(["umount", "-l", str(cache)], capture_output=True)
+
+
+# ------------------------------------------------------------------ a private daemon
+
+
+class _Daemon(DaemonHandle):
+    """A private daemon started with extra environment variables and a wall clock that a test can move:
+    ``time.time()`` in the daemon returns the real time plus the seconds written to ``clock_file``
+    (the host's clock is never touched)."""
+
+    extra_env: dict[str, str]
+    clock_file: str
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        code = ("import runpy, sys, time\n"
+                "_real = time.time\n"
+                f"def _now(_f={self.clock_file!r}):\n"
+                "    try:\n"
+                "        with open(_f) as fh:\n"
+                "            return _real() + float(fh.read() or 0)\n"
+                "    except OSError:\n"
+                "        return _real()\n"
+                "time.time = _now\n"
+                f"sys.argv = ['weenv', 'daemon', '--cgroup-root', {self.cgroup_root!r}]\n"
+                "runpy.run_module('weenv', run_name='__main__', alter_sys=True)\n")
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env={**self.env_vars(), **self.extra_env},
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weenv daemon exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                with self.client() as c:
+                    c.ping()
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError(f"weenv daemon did not answer within {timeout_s} s:\n{self.log()[-3000:]}")
+
+    def jump_clock(self, seconds: float) -> None:
+        with open(self.clock_file, "w") as fh:
+            fh.write(str(seconds))
+
+
+def _data_plan(home: str, data: bytes) -> str:
+    """A locked plan over one os group: busybox plus /data/big (``data``) and /data/other."""
+    from weenv.plan import load_plan, lock_plan, write_plan
+    from weenv.registry import publish, resolve_group
+    from weenv.testing import busybox_tree
+
+    src = busybox_tree(Path(home) / "src-data")
+    (src / "data").mkdir()
+    (src / "data" / "big").write_bytes(data)
+    (src / "data" / "other").write_bytes(os.urandom(300_000))
+    old = os.environ.get("WEENV_HOME")
+    os.environ["WEENV_HOME"] = home
+    try:
+        publish(str(src), "bbdata:test", group="os", group_class="os")
+        plan = os.path.join(home, "bbdata.toml")
+        with open(plan, "w") as fh:
+            fh.write('name = "bbdata"\n\n[[groups]]\nname = "os"\nref = "bbdata:test"\nclass = "os"\n\n'
+                     '[resources]\npids = 256\ndisk = "128MiB"\n\n[resources.memory]\nmin = "64MiB"\n'
+                     'max = "512MiB"\n')
+        lock = os.path.join(home, "bbdata.lock.toml")
+        write_plan(lock_plan(load_plan(plan), resolve_group), lock)
+    finally:
+        if old is None:
+            os.environ.pop("WEENV_HOME", None)
+        else:
+            os.environ["WEENV_HOME"] = old
+    return lock
+
+
+@pytest.fixture
+def private_daemon():  # type: ignore[no-untyped-def]
+    """``start(env=..., home=...)``: a private daemon over a busybox + /data plan (``.plan_lock``),
+    torn down after the test, with nothing left behind."""
+    require_fuse()
+    require_tool("crun")
+    started: list[_Daemon] = []
+
+    def start(env: dict[str, str] | None = None, home: str | None = None, data: bytes = b"") -> _Daemon:
+        home = home or tempfile.mkdtemp(prefix="weenv-faults-")
+        lock = _data_plan(home, data or os.urandom(1 << 20))
+        d = _Daemon(home, os.path.join(home, "run", "weenv.sock"), f"weenv-faults-{os.getpid()}-{len(started)}",
+                    lock, "", os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
+        d.extra_env = {"WEENV_LAYER_TREES_AFTER": "0", **(env or {})}
+        d.clock_file = os.path.join(home, "clock-offset")
+        started.append(d)
+        d.start()
+        return d
+
+    yield start
+    for d in started:
+        left = teardown_private_daemon(d)
+        assert not left, f"the daemon left: {left}"
+
+
+def test_a_sigstopped_envlet_never_hangs_reads_forever(private_daemon) -> None:  # type: ignore[no-untyped-def]
+    """kill -STOP of the envlet: a read in an env of a file not read before fails (the daemon kills the
+    silent envlet after its deadline, which aborts its FUSE connection) within the deadline and slack,
+    never waits for ever; a new envlet serves new envs."""
+    deadline_s = 3.0
+    d = private_daemon(env={"WEENV_ENVLET_DEADLINE_S": str(deadline_s)})
+    from weenv.envlet import EnvletClient
+
+    old_pid = EnvletClient(os.path.join(d.home, "run", "envlet.sock")).ping()["pid"]
+    with d.client(timeout_s=120) as c, c.create(d.plan_lock) as env:
+        assert env.exec(["sh", "-c", "head -c 1000 /data/big | wc -c"]).stdout.strip() == b"1000"
+        os.kill(old_pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            try:
+                r = env.exec(["sh", "-c", "cat /data/other > /dev/null; echo rc=$?"], timeout_s=30)
+            except Exception as e:
+                raise AssertionError(f"{e}\n{d.log()[-4000:]}") from e
+            took = time.monotonic() - t0
+        finally:
+            try:
+                os.kill(old_pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        # the deadline, a 2 s ping, the supervisor's tick, the kill: never the 90 s of the exec timeout
+        assert not r.timed_out and took < deadline_s + 2 + 8, f"the read took {took:.0f} s: {r}"
+        # cat fails, or sh itself cannot be loaded (its pages were on the aborted mount): a clear error
+        assert b"rc=1" in r.stdout or r.exit_code == 126, r
+        assert any(m in r.stderr for m in (b"Transport endpoint", b"connection abort", b"I/O error")), r
+        assert "has not answered" in d.log()
+        assert wait_for(lambda: _envlet_pid(d) not in (None, old_pid), 15)
+        with c.create(d.plan_lock) as fresh:  # the new envlet serves new envs
+            r = fresh.exec(["sh", "-c", "cat /data/other | wc -c"])
+            assert r.stdout.strip() == b"300000", r
+
+
+def _envlet_pid(d: DaemonHandle) -> int | None:
+    from weenv.envlet import EnvletClient, EnvletError
+
+    try:
+        return int(EnvletClient(os.path.join(d.home, "run", "envlet.sock")).ping()["pid"])
+    except EnvletError:
+        return None
