@@ -76,3 +76,27 @@ def test_async_sandbox_lifecycle_and_files(served: Served) -> None:
             await e2b.AsyncSandbox.get_info(sbx.sandbox_id)
 
     asyncio.run(main())
+
+
+def test_concurrent_creates(served: Served) -> None:
+    """Eight sandboxes at once through one server: each its own env, token and owner record."""
+    import os
+
+    from weenv.api import OwnerTable
+
+    async def one(i: int) -> tuple[str, str]:
+        sbx = await e2b.AsyncSandbox.create("bb", metadata={"i": str(i)}, timeout=60)
+        try:
+            out = await sbx.commands.run(f"echo {i}")
+            return sbx.sandbox_id, out.stdout
+        finally:
+            await sbx.kill()
+
+    async def main() -> list[tuple[str, str]]:
+        return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+    results = asyncio.run(main())
+    assert [out for _, out in results] == [f"{i}\n" for i in range(8)]
+    assert len({sid for sid, _ in results}) == 8
+    owners = OwnerTable(os.path.join(served.home, "api"))
+    assert not {sid for sid, _ in results} & set(owners.envs())  # killed: forgotten
