@@ -46,7 +46,8 @@ from ._policy import EnvLimits
 from ._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
 from ._errors import HostError
 from ._gvisor import plan_runtime, start_cpu_hint
-from ._idmap import DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert, open_path_for_range
+from ._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert, open_path_for_range,
+                     own_cgroups_only)
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
 from ._startcheck import LockVerifier, check_registered, check_start
@@ -408,7 +409,8 @@ class EnvManager:
                 # crun's child, the env's root, walks to the rootfs and the bind sources as host uid base
                 open_path_for_range([_state.env_dir(self.envs_dir, rec.id), _state.bundle_path(self.envs_dir, rec.id)],
                                     self.idmap)
-                spec = apply_userns(spec, self.idmap)
+                spec = own_cgroups_only(apply_userns(spec, self.idmap),
+                                        [os.path.dirname(p) for p in cg.procs_paths()], self.backend.version)
             return spec
 
         spec = await trio.to_thread.run_sync(bundle)
