@@ -171,7 +171,7 @@ def _into_range(rootfs: str, idmap) -> None:
 
 async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgroup=None, **spec_options) -> EnvHandle:
     """Prepare a bundle next to ``rootfs``, create and start the env."""
-    from weenv.provision._idmap import apply_userns
+    from weenv.provision._idmap import apply_userns, own_cgroups_only
     from weenv.provision._runtime import prepare_bundle
 
     bundle = str(tmp_path / f"bundle-{env_id}")
@@ -182,6 +182,8 @@ async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgr
         _into_range(rootfs, idmap)
         _into_range(os.path.join(bundle, "etc", "hosts"), idmap)
         spec = apply_userns(spec, idmap)
+        if cgroup is not None:  # as the daemon does: the env's own groups, not crun's cgroup mount
+            spec = own_cgroups_only(spec, [os.path.dirname(p) for p in cgroup.procs_paths()], "v1")
     procs = cgroup.procs_paths() if cgroup is not None else []
     pid = await runtime.create(env_id, bundle, rootfs, spec, procs)
     await runtime.start(env_id)

@@ -20,7 +20,8 @@ import pytest
 
 from weenv.layerfmt import FileReader, Layer, build_layer
 from weenv.layerfmt._ids import OVERFLOW_ID, cap_to_host, cap_to_layer, to_host_id, to_layer_id
-from weenv.provision._idmap import DEFAULT_BASE, DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert
+from weenv.provision._idmap import (DEFAULT_BASE, DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert,
+                                    own_cgroups_only)
 
 from .fixtures_common import require_command, require_fuse
 from .fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon, wait_for
@@ -79,6 +80,22 @@ def test_the_spec_gets_a_user_namespace_over_the_range():
     assert spec["linux"]["gidMappings"] == spec["linux"]["uidMappings"]
     with pytest.raises(ValueError, match="base 0 must be between"):
         IdMap(base=0)
+
+
+def test_on_v1_the_env_gets_its_own_groups_bound_read_only_instead_of_crun_mounting_every_hierarchy():
+    spec = {"mounts": [{"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["ro"]},
+                       {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"}],
+            "linux": {"readonlyPaths": ["/proc/sys"]}}
+    dirs = ["/sys/fs/cgroup/memory/weenv/e1", "/sys/fs/cgroup/pids/weenv/e1", "/sys/fs/cgroup/unified/weenv/e1"]
+    out = own_cgroups_only(spec, dirs, "v1")
+    assert [(m["destination"], m["type"], m.get("source")) for m in out["mounts"]] == [
+        ("/sys/fs/cgroup", "tmpfs", "cgroup"), ("/sys/fs/cgroup/memory", "bind", "/sys/fs/cgroup/memory/weenv/e1"),
+        ("/sys/fs/cgroup/pids", "bind", "/sys/fs/cgroup/pids/weenv/e1"), ("/tmp", "tmpfs", "tmpfs")]
+    assert all("ro" in m["options"] for m in out["mounts"][1:3])
+    assert out["linux"]["readonlyPaths"] == ["/proc/sys", "/sys/fs/cgroup", "/sys/fs/cgroup/memory",
+                                             "/sys/fs/cgroup/pids"]
+    v2 = {"mounts": [{"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup"}]}
+    assert own_cgroups_only(v2, ["/sys/fs/cgroup/weenv/e1"], "v2")["mounts"][0]["type"] == "cgroup"  # crun's
 
 
 def test_a_layer_built_from_an_upper_records_the_envs_ids(tmp_path):
@@ -392,6 +409,18 @@ def test_the_rootfs_mount_is_nosuid_nodev_on_the_host(userns_daemon):
         with open("/proc/self/mountinfo") as fh:
             opts = [line.split()[5] for line in fh if line.split()[4] == rootfs]
         assert opts and {"nosuid", "nodev"} <= set(opts[0].split(",")), opts
+
+
+@pytest.mark.integration
+def test_the_env_sees_only_its_own_cgroups_read_only(userns_daemon):
+    """Promise: /sys/fs/cgroup in a user-namespaced env holds its own groups, none writable."""
+    with userns_daemon.client() as c, c.create(userns_daemon.plan_lock) as env, c.create(userns_daemon.plan_lock):
+        r = env.exec(["sh", "-c", "mkdir /sys/fs/cgroup/memory/x && echo CG-WRITABLE; touch /sys/fs/cgroup/x && "
+                                  "echo TMPFS-WRITABLE; echo 1 > /sys/fs/cgroup/memory/memory.limit_in_bytes && "
+                                  "echo LIMIT-WRITABLE; cat /sys/fs/cgroup/pids/pids.max; "
+                                  "find /sys/fs/cgroup/memory -mindepth 1 -type d | wc -l"])
+        assert b"WRITABLE" not in r.stdout and r.stderr.count(b"Read-only file system") == 3, r
+        assert r.stdout.split() == [b"256", b"0"], r  # its own pids limit; no other env's group below
 
 
 @pytest.mark.integration

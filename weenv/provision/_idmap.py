@@ -70,6 +70,41 @@ def apply_userns(spec: dict, idmap: IdMap) -> dict:
     return spec
 
 
+def own_cgroups_only(spec: dict, cgroup_dirs: Iterable[str], version: str) -> dict:
+    """On a v1 host, mount the env's own groups (read-only) at ``/sys/fs/cgroup/<hierarchy>``
+    instead of crun's ``cgroup`` mount. In a user namespace crun mounts every hierarchy that
+    /proc/self/cgroup lists, and the kernel lets a user namespace mount only hierarchies that
+    exist: one made and dropped meanwhile elsewhere (runsc mounts hugetlb for its sandboxes) fails
+    the env's start with EPERM. The env sees what the cgroup namespace showed it: its own groups."""
+    if version != "v1":
+        return spec  # v2: crun mounts cgroup2 in the env's cgroup namespace, nothing to enumerate
+    names: dict[str, str] = {}
+    for d in cgroup_dirs:
+        rel = os.path.relpath(d, "/sys/fs/cgroup")
+        if rel.startswith("..") or "/" not in rel:
+            return spec  # not under /sys/fs/cgroup (a test's mimic): crun's mount stays
+        name = rel.split("/", 1)[0]
+        if name != "unified":  # a hybrid host's v2 mount: crun runs where it is hidden, and never showed it
+            names.setdefault(name, d)
+    mounts: list[dict] = []
+    for m in spec.get("mounts", []):
+        if m.get("destination") != "/sys/fs/cgroup" or m.get("type") != "cgroup":
+            mounts.append(m)
+            continue
+        mounts.append({"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "cgroup",
+                       "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]})
+        for name, d in sorted(names.items()):
+            mounts.append({"destination": f"/sys/fs/cgroup/{name}", "type": "bind", "source": d,
+                           "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
+        linux = spec.setdefault("linux", {})
+        # read-only once filled: the tmpfs, then each group again (crun's read-only bind of the tmpfs
+        # is recursive and leaves the copies of the groups below it writable)
+        linux["readonlyPaths"] = [*linux.get("readonlyPaths", []), "/sys/fs/cgroup",
+                                  *(f"/sys/fs/cgroup/{name}" for name in sorted(names))]
+    spec["mounts"] = mounts
+    return spec
+
+
 def open_path_for_range(paths: Iterable[str], idmap: IdMap) -> None:
     """``root:<base> 0710`` for each directory, so crun's child (the env's root, host ``base``) can
     walk through it to the rootfs and bind-mount sources, and list nothing."""
