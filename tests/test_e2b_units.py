@@ -22,22 +22,28 @@ e2b = pytest.importorskip("e2b")
 
 
 class FakeDaemon(weenv.AsyncClient):
-    """A daemon client that answers from a script (no socket)."""
+    """A daemon client whose daemon answers from a script: ``{(method, path): answer}`` with an
+    answer a JSON value, or a weenv.ApiError to answer as the daemon does; unknown paths are
+    env_not_found. ``calls`` records what was asked."""
 
     def __init__(self, answers: dict[tuple[str, str], Any]):
         super().__init__("/nonexistent.sock", autostart=False)
         self.answers, self.calls = answers, []  # type: ignore[var-annotated]
+        self._http = httpx.AsyncClient(transport=httpx.MockTransport(self.handle), base_url="http://weenv")
 
     async def _ensure(self) -> None:
         return None
 
-    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        self.calls.append((method, url))
-        answer = self.answers.get((method, url))
-        if isinstance(answer, Exception):
-            raise answer
+    def answer(self, request: httpx.Request) -> Any:
+        return self.answers.get((request.method, request.url.path))
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.calls.append((request.method, request.url.path))
+        answer = self.answer(request)
         if answer is None:
-            raise weenv.EnvNotFoundError(404, "env_not_found", f"no {url}")
+            answer = weenv.EnvNotFoundError(404, "env_not_found", f"no {request.url.path}")
+        if isinstance(answer, weenv.ApiError):
+            return httpx.Response(answer.status, json={"error": {"kind": answer.kind, "message": answer.detail}})
         return httpx.Response(200, json=answer)
 
 
@@ -239,13 +245,14 @@ def test_watchers_are_bounded_per_env(home: str) -> None:
     files = "/v1/envs/e-1/files"
 
     class Dirs(FakeDaemon):
-        async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-            if url == files and kw["params"].get("op") == "stat":
-                return httpx.Response(200, json={"name": "d", "kind": "dir", "size_bytes": 0, "mode": 0o755,
-                                                 "uid": 0, "gid": 0, "mtime_s": 1.0})
-            if url == files and kw["params"].get("op") == "list":
-                return httpx.Response(200, json=[])
-            return await super()._request(method, url, **kw)
+        def answer(self, request: httpx.Request) -> Any:
+            op = request.url.params.get("op")
+            if request.url.path == files and op == "stat":
+                return {"name": "d", "kind": "dir", "size_bytes": 0, "mode": 0o755, "uid": 0, "gid": 0,
+                        "mtime_s": 1.0}
+            if request.url.path == files and op == "list":
+                return []
+            return super().answer(request)
 
     app = create_app(OneDaemon(Dirs({})), home=home)
     headers = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
@@ -320,3 +327,19 @@ def test_daemon_gone_is_unavailable_everywhere(home: str) -> None:
                  headers={**sbx, "Content-Type": "application/octet-stream"}).status_code == 503
     r = _call(app, "POST", "/filesystem.Filesystem/Stat", json={"path": "/"}, headers=sbx)
     assert r.status_code == 503 and r.json()["code"] == "unavailable"
+
+
+def test_a_gone_sandbox_is_not_running_to_the_sdk(home: str) -> None:
+    from e2b.exceptions import SandboxNotRunningException, format_sandbox_unavailable_exception
+
+    app = create_app(OneDaemon(FakeDaemon({})), home=home)  # the daemon knows no env
+    sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
+    answers = [_call(app, "GET", "/files", params={"path": "/x"}, headers=sbx),
+               _call(app, "POST", "/files", params={"path": "/x"}, content=b"x",
+                     headers={**sbx, "Content-Type": "application/octet-stream"}),
+               _call(app, "GET", "/health", headers=sbx)]
+    assert [r.status_code for r in answers] == [502, 502, 502]
+    r = _call(app, "POST", "/filesystem.Filesystem/Stat", json={"path": "/"}, headers=sbx)
+    assert r.status_code == 503 and r.json()["code"] == "unavailable"
+    for message in [a.json()["message"] for a in answers] + [r.json()["message"]]:
+        assert isinstance(format_sandbox_unavailable_exception(message), SandboxNotRunningException), message
