@@ -229,3 +229,20 @@ def test_only_admin_plans_reach_the_node(served: Served) -> None:
         assert r.status_code != 403, r.text
         if r.status_code == 201:
             c.get(r.json()["id"]).kill()
+
+
+def test_process_handles_over_tcp(served: Served) -> None:
+    """The daemon's process routes pass through /v1 like the rest: streamed, owned."""
+    with weenv.Client(served.url, token=served.keys["alice"]) as c, c.create(served.daemon.plan_lock) as env:
+        proc = env.spawn("head -n1", stdin=True)
+        proc.send_stdin("through tcp\n")
+        out = b"".join(ev.data_b64 or b"" for ev in proc.events() if ev.stream == "stdout")
+        assert out == b"through tcp\n" and proc.end is not None and proc.end.exit_code == 0
+        sleeper = env.spawn("sleep 30")
+        assert sleeper.pid in [p.pid for p in env.processes()]
+        with weenv.Client(served.url, token=served.keys["bob"]) as other:
+            r = other._http.post(f"/v1/envs/{env.id}/processes/{sleeper.pid}/signal", json={"signal": 9})
+            assert r.status_code == 404
+        sleeper.kill()
+        end = sleeper.wait()
+        assert end is not None and end.exit_code != 0
