@@ -325,3 +325,21 @@ def _envlet_pid(d: DaemonHandle) -> int | None:
         return int(EnvletClient(os.path.join(d.home, "run", "envlet.sock")).ping()["pid"])
     except EnvletError:
         return None
+
+
+def test_a_wall_clock_jump_neither_expires_nor_keeps_envs(private_daemon) -> None:  # type: ignore[no-untyped-def]
+    """The daemon's wall clock (its time.time, through the harness: the host's clock is never changed)
+    jumps an hour ahead, then two hours back: an env with 60 s left lives on, and one with 3 s left
+    still goes after about 3 s."""
+    d = private_daemon()
+    with d.client() as c:
+        long = c.create(d.plan_lock, ttl_s=60)
+        d.jump_clock(3600)
+        time.sleep(1.5)  # six ticks of the ttl loop
+        assert {e["id"]: e["status"] for e in c.list()}.get(long.id) == "running", "expired by a clock jump"
+        short = c.create(d.plan_lock, ttl_s=3)
+        time.sleep(0.5)  # the loop has seen its deadline
+        d.jump_clock(-3600)
+        assert wait_for(lambda: short.id not in {e["id"] for e in c.list()}, 8.0), "kept by a clock jump"
+        assert long.id in {e["id"] for e in c.list()}
+        long.kill()

@@ -133,6 +133,7 @@ class EnvManager:
         self.pool_size = 0  # envs kept started and idle per lock (0: no warm pool)
         self._pools: dict[str, list[str]] = {}
         self._pool_used: dict[str, float] = {}
+        self._ttl_deadlines: dict[str, tuple[float, float]] = {}  # env id -> (its expires_s, monotonic deadline)
         self._refilling: set[str] = set()
         self.pool_starting: set[str] = set()  # envs being started for a pool (not listed)
         self._store: LayoutStore | None = None
@@ -202,7 +203,7 @@ class EnvManager:
             if taken is not None:
                 taken.timings_ms = {"pool": round((time.perf_counter() - t0) * 1000, 1)}
                 if lock.ttl_s:
-                    taken.expires_s = time.time() + lock.ttl_s
+                    self._expire_in(taken, lock.ttl_s)
                 self._save(taken)
                 log.info("env %s handed out from the warm pool", taken.id)
                 return taken
@@ -222,7 +223,7 @@ class EnvManager:
                         snapshot=snapshot, parent=parent,
                         snapshot_layers=[msgspec.to_builtins(layer) for layer in snapshot_layers])
         if lock.ttl_s and not pooled:
-            rec.expires_s = time.time() + lock.ttl_s
+            self._expire_in(rec, lock.ttl_s)
         if pooled:
             self.pool_starting.add(rec.id)
         self.envs[rec.id] = rec
@@ -690,15 +691,35 @@ class EnvManager:
 
     def set_ttl(self, env_id: str, ttl_s: float | None) -> EnvRecord:
         rec = self.get(env_id)
-        rec.expires_s = None if ttl_s is None else time.time() + ttl_s
+        self._expire_in(rec, ttl_s)
         self._save(rec)
         return rec
 
+    def _expire_in(self, rec: EnvRecord, ttl_s: float | None) -> None:
+        """The env's TTL: a wall-clock deadline in its record (restarts, display), a monotonic one here."""
+        rec.expires_s = None if ttl_s is None else time.time() + ttl_s
+        if ttl_s is None:
+            self._ttl_deadlines.pop(rec.id, None)
+        else:
+            self._ttl_deadlines[rec.id] = (rec.expires_s, time.monotonic() + ttl_s)  # type: ignore[assignment]
+
     async def ttl_loop(self, interval_s: float = 0.25) -> None:
+        # TTLs count monotonic time (a deadline set here, or the record's wall-clock one turned monotonic
+        # when first seen: re-adopted envs), so a jump of the wall clock neither expires envs early nor
+        # keeps them past their time
+        deadlines = self._ttl_deadlines
         while True:
-            now = time.time()
+            now = time.monotonic()
+            for gone in deadlines.keys() - self.envs.keys():
+                del deadlines[gone]
             for rec in list(self.envs.values()):
-                if rec.expires_s is not None and rec.expires_s <= now and rec.status in ("running", "paused"):
+                if rec.expires_s is None:
+                    deadlines.pop(rec.id, None)
+                    continue
+                seen = deadlines.get(rec.id)
+                if seen is None or seen[0] != rec.expires_s:
+                    seen = deadlines[rec.id] = (rec.expires_s, now + rec.expires_s - time.time())
+                if seen[1] <= now and rec.status in ("running", "paused"):
                     log.info("env %s: TTL expired, killing it", rec.id)
                     try:
                         await self.kill(rec.id)
