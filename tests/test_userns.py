@@ -21,7 +21,7 @@ import pytest
 from weenv.layerfmt import FileReader, Layer, build_layer
 from weenv.layerfmt._ids import OVERFLOW_ID, cap_to_host, cap_to_layer, to_host_id, to_layer_id
 from weenv.provision._idmap import (DEFAULT_BASE, DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert,
-                                    own_cgroups_only)
+                                    own_cgroups_only, trees_for_base)
 
 from .fixtures_common import require_command, require_fuse
 from .fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon, wait_for
@@ -96,6 +96,18 @@ def test_on_v1_the_env_gets_its_own_groups_bound_read_only_instead_of_crun_mount
                                              "/sys/fs/cgroup/pids"]
     v2 = {"mounts": [{"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup"}]}
     assert own_cgroups_only(v2, ["/sys/fs/cgroup/weenv/e1"], "v2")["mounts"][0]["type"] == "cgroup"  # crun's
+
+
+def test_trees_written_for_other_host_ids_are_dropped_when_the_base_changes(tmp_path):
+    root = tmp_path / "layer-trees"
+    make_tree(root / "sha256-aa", f("etc/passwd", b"root\n"))
+    (root / "sha256-aa.size").write_text("5")
+    assert trees_for_base(str(root), 0)  # no marker: written before user namespaces, for base 0
+    assert sorted(os.listdir(root)) == [".id-base", "sha256-aa", "sha256-aa.size"]
+    assert not trees_for_base(str(root), BASE)  # --userns now: root-owned trees would show as nobody's
+    assert os.listdir(root) == [".id-base"] and (root / ".id-base").read_text() == f"{BASE}\n"
+    make_tree(root / "sha256-bb", f("x", b"x", uid=BASE, gid=BASE))
+    assert trees_for_base(str(root), BASE) and (root / "sha256-bb").is_dir()
 
 
 def test_a_layer_built_from_an_upper_records_the_envs_ids(tmp_path):

@@ -205,6 +205,7 @@ class Daemon:
             from ._idmap import IdMap
 
             self.manager.idmap = IdMap(base=c.userns_base)
+        self._trees_for_ids()
         if c.layer_trees_after > 0:
             self.manager.enable_layer_trees(after=c.layer_trees_after, budget_bytes=c.layer_trees_size_bytes)
         from ..net._egress import EgressNetwork
@@ -226,6 +227,18 @@ class Daemon:
                              self.envlet_socket, cache_size_bytes=c.envlet_cache_size_bytes,
                              memory_cache_size_bytes=c.envlet_memory_cache_size_bytes,
                              deadline_s=c.envlet_deadline_s, id_base=self._id_base)
+
+    def _trees_for_ids(self) -> None:
+        """Drop layer and snapshot trees written for other host ids (--userns changed) before they
+        are found and stacked; not while envs that may stack them are left (a live envlet with the
+        other base refuses this daemon anyway)."""
+        from ._idmap import trees_for_base
+
+        if os.path.isdir(self.envs_dir) and os.listdir(self.envs_dir):
+            return
+        for root in (os.path.join(self.config.home, "layer-trees"), self.manager.trees_dir):
+            if not trees_for_base(root, self._id_base):
+                log.info("%s: trees written for other host ids were dropped (--userns changed)", root)
 
     @property
     def _id_base(self) -> int:

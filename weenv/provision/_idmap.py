@@ -25,6 +25,8 @@ How the pieces fit:
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import stat
 from collections.abc import Iterable
 
@@ -154,3 +156,40 @@ def make_tree_inert(root: str, base: int) -> int:
 def is_v2_capability(value: bytes) -> bool:
     """A ``security.capability`` value that applies in every user namespace, the host's included."""
     return len(value) >= 4 and value[3] == 0x02
+
+
+ID_BASE_MARKER = ".id-base"
+
+
+def trees_for_base(root: str, base: int) -> bool:
+    """Keep the trees under ``root`` (layer or snapshot trees) only if they were written for host
+    ids from ``base``: a daemon restarted with ``--userns`` after ``--no-userns`` (or another base)
+    would stack root-owned trees that its envs see as nobody's. They are caches (the layers are in
+    the store or the registry): otherwise they all go, and are made again. A directory without a
+    marker was written before user namespaces, for base 0. True when the trees were kept."""
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    marker = os.path.join(root, ID_BASE_MARKER)
+    try:
+        with open(marker) as f:
+            had = int(f.read().strip() or 0)
+    except FileNotFoundError:
+        had = 0
+    except (OSError, ValueError):
+        had = -1
+    kept = had == base
+    if not kept:
+        for name in os.listdir(root):
+            if name == ID_BASE_MARKER:
+                continue
+            path = os.path.join(root, name)
+            trash = os.path.join(root, f".trash-ids-{secrets.token_hex(4)}")
+            os.rename(path, trash)  # out of use at once, then removed
+            if os.path.isdir(trash) and not os.path.islink(trash):
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.unlink(trash)
+    tmp = f"{marker}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{base}\n")
+    os.replace(tmp, marker)
+    return kept
