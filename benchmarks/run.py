@@ -22,6 +22,7 @@ BENCHMARKS = [
     ("registry_range", "store Range reads vs raw httpx; republish; upload vs oras", 900),
     ("envlet_read", "envlet reads vs native ext4", 900),
     ("envlet_lazy_start", "cold start: lazy envlet vs full pull + extract", 2400),
+    ("envlet_fair", "cold reads under a neighbour's lookup storm vs alone, fairness off and on", 900),
     ("layer_trees", "hot layers as local trees vs served by the envlet", 900),
     ("start_crun", "runtime: create+start+exec vs bare crun run", 900),
     ("start", "warm start through the daemon vs bare crun run", 900),

@@ -35,10 +35,17 @@ def envlet() -> None:
 @click.option("--id-base", type=click.IntRange(0, 2**32 - 65536), default=0, show_default=True,
               help="Show owners (and write layer trees) as host ids from this base: the root of the envs' "
                    "user namespace (0: envs without one).")
+@click.option("--fair/--no-fair", default=True, show_default=True,
+              help="Keep one env's request storm from starving other envs' file reads.")
+@click.option("--fair-share", "fair_share_cores", type=click.FloatRange(0, 64, min_open=True), default=0.2,
+              show_default=True, help="Envlet loop time (in cores) shared by the active envs while two or more are.")
+@click.option("--env-cgroup", default="weenv", show_default=True,
+              help="Name of weenv's parent cgroup: a request's env is the cgroup below it.")
 @click.option("--debug", is_flag=True, help="Verbose logs, FUSE debug output.")
 def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_size: int, control_socket: str,
               state_file: str | None, deadline_s: float, readahead_bytes: int, neighbor_bytes: int,
-              metrics_port: int | None, tiers: str, debug: bool, id_base: int = 0) -> None:
+              metrics_port: int | None, tiers: str, debug: bool, id_base: int = 0, fair: bool = True,
+              fair_share_cores: float = 0.2, env_cgroup: str = "weenv") -> None:
     """Mount the envlet and serve until SIGTERM."""
     from ..envlet import serve
     from ..envlet._tier import TierConfigError, parse_tiers
@@ -47,9 +54,12 @@ def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_siz
         parse_tiers(tiers)
     except TierConfigError as e:
         raise click.BadParameter(str(e), param_hint="--tiers") from None
+    if not env_cgroup or "/" in env_cgroup or env_cgroup in (".", ".."):
+        raise click.BadParameter(f"{env_cgroup!r} is not a cgroup name (one path component)", param_hint="--env-cgroup")
     serve(mountpoint, cache_dir, cache_size_bytes=cache_size, memory_cache_size_bytes=memory_cache_size,
           control_socket=control_socket, state_file=state_file, deadline_s=deadline_s, metrics_port=metrics_port,
-          readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, tiers=tiers, debug=debug, id_base=id_base)
+          readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, tiers=tiers, debug=debug, id_base=id_base,
+          fair=fair, fair_share_cores=fair_share_cores, env_cgroup=env_cgroup)
 
 
 @envlet.command("ls")
@@ -125,6 +135,13 @@ def stats_cmd(control_socket: str, as_json: bool) -> None:
                  f"{s['coalesced_waits']} coalesced waits, {s['verify_failures']} verification failures")
     stdout.print(f"reads      {s['fuse_reads']} FUSE reads, {human_bytes(s['fuse_read_bytes'])}, "
                  f"{s['read_errors']} EIO; {s['layers']} layers registered")
+    for name, t in s.get("tiers", {}).items():
+        stdout.print(f"tier {name:<9} {t['hits']} hits ({human_bytes(t['hit_bytes'])}), {t['misses']} misses, "
+                     f"{t['rejected']} rejected, {t['errors']} errors")
+    for env, u in sorted(s.get("envs", {}).items(), key=lambda kv: -kv[1]["busy_s"])[:20]:
+        reqs = ", ".join(f"{n} {op}" for op, n in u["requests"].items() if n)
+        stdout.print(f"env {env:<14} {u['busy_s'] * 1000:.0f} ms busy, {human_bytes(u['read_bytes'])} read, "
+                     f"{u['delayed']} delayed ({u['delayed_s']:.2f} s): {reqs}")
 
 
 @cache.command("prune")

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import accumulate
@@ -82,7 +83,21 @@ class EnvletFS(pyfuse3.Operations):
     def __init__(self, envlet: "Envlet"):
         super().__init__()
         self.envlet = envlet
+        self.fair = envlet.fair
         self._prefix_cache: dict[tuple[int, int], list[int]] = {}
+        # open files and directories: fh -> (inode, the opener's env), so reads and readdirs (which
+        # carry no RequestContext) are charged to the env that opened
+        self._handles: dict[int, tuple[int, EnvUsage]] = {}
+        self._next_fh = 1
+
+    async def _admit(self, ctx: pyfuse3.RequestContext, op: str) -> EnvUsage:
+        return await self.fair.admit(self.fair.env_of(ctx.pid), op)
+
+    def _handle(self, inode: int, u: EnvUsage) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = (inode, u)
+        return fh
 
     # ------------------------------------------------------------- resolving
 
@@ -107,6 +122,14 @@ class EnvletFS(pyfuse3.Operations):
     # ------------------------------------------------------------- metadata
 
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        u = await self._admit(ctx, "lookup")
+        t0 = time.perf_counter()
+        try:
+            return self._lookup(parent_inode, name)
+        finally:
+            self.fair.charge(u, time.perf_counter() - t0)
+
+    def _lookup(self, parent_inode: int, name: bytes) -> pyfuse3.EntryAttributes:
         with _errno("lookup"):
             if parent_inode == pyfuse3.ROOT_INODE:
                 layer = self.envlet.by_name.get(name.decode("utf-8", "surrogateescape"))
@@ -128,13 +151,19 @@ class EnvletFS(pyfuse3.Operations):
             return self._attr(layer, child)
 
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        with _errno("getattr"):
-            if inode == pyfuse3.ROOT_INODE:
-                return self._root_attr()
-            layer, local = self._layer(inode)
-            return self._attr(layer, local)
+        u = await self._admit(ctx, "getattr")
+        t0 = time.perf_counter()
+        try:
+            with _errno("getattr"):
+                if inode == pyfuse3.ROOT_INODE:
+                    return self._root_attr()
+                layer, local = self._layer(inode)
+                return self._attr(layer, local)
+        finally:
+            self.fair.charge(u, time.perf_counter() - t0)
 
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        self.fair.charge(await self._admit(ctx, "other"), 0.0)
         with _errno("readlink"):
             layer, local = self._layer(inode)
             target = layer.tree.readlink(local)
@@ -143,6 +172,7 @@ class EnvletFS(pyfuse3.Operations):
             return target
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        self.fair.charge(await self._admit(ctx, "xattr"), 0.0)
         with _errno("getxattr"):
             if inode == pyfuse3.ROOT_INODE:
                 raise pyfuse3.FUSEError(errno.ENODATA)
@@ -153,6 +183,7 @@ class EnvletFS(pyfuse3.Operations):
             return value
 
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        self.fair.charge(await self._admit(ctx, "xattr"), 0.0)
         with _errno("listxattr"):
             if inode == pyfuse3.ROOT_INODE:
                 return []
@@ -160,6 +191,7 @@ class EnvletFS(pyfuse3.Operations):
             return [k.encode("utf-8", "surrogateescape") for k in layer.tree.xattrs(local)]
 
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        self.fair.charge(await self._admit(ctx, "other"), 0.0)
         # overlayfs refuses a lower whose statfs fails; report the layers' total size, nothing free.
         s = pyfuse3.StatvfsData()
         total = sum(layer.size for layer in self.envlet.by_name.values())
@@ -177,14 +209,27 @@ class EnvletFS(pyfuse3.Operations):
     # ------------------------------------------------------------- directories
 
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        u = await self._admit(ctx, "open")
+        self.fair.charge(u, 0.0)
         with _errno("opendir"):
             if inode != pyfuse3.ROOT_INODE:
                 layer, local = self._layer(inode)
                 if not layer.tree.is_dir(local):
                     raise pyfuse3.FUSEError(errno.ENOTDIR)
-            return inode
+            return self._handle(inode, u)
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        fh, u = self._handles.get(fh, (0, None))
+        if u is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        await self.fair.admit_usage(u, "readdir")
+        t0 = time.perf_counter()
+        try:
+            self._readdir(fh, start_id, token)
+        finally:
+            self.fair.charge(u, time.perf_counter() - t0)
+
+    def _readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         with _errno("readdir"):
             if fh == pyfuse3.ROOT_INODE:
                 names = sorted(self.envlet.by_name)
@@ -201,20 +246,31 @@ class EnvletFS(pyfuse3.Operations):
                     return
 
     async def releasedir(self, fh: int) -> None:
-        return None
+        self._handles.pop(fh, None)
 
     # ------------------------------------------------------------- files
 
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        u = await self._admit(ctx, "open")
+        self.fair.charge(u, 0.0)
         with _errno("open"):
             if flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
                 raise pyfuse3.FUSEError(errno.EROFS)
             layer, local = self._layer(inode)
             if layer.tree.file_index(local) < 0:
                 raise pyfuse3.FUSEError(errno.EISDIR if layer.tree.is_dir(local) else errno.EACCES)
-            return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=False)
+            return pyfuse3.FileInfo(fh=self._handle(inode, u), keep_cache=True, direct_io=False)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        inode, u = self._handles.get(fh, (0, None))
+        if u is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        await self.fair.admit_usage(u, "read")
+        out = await self._read(inode, off, size)
+        self.fair.charge(u, 0.0, len(out))
+        return out
+
+    async def _read(self, fh: int, off: int, size: int) -> bytes:
         layer, local = self._layer(fh)
         i = layer.tree.file_index(local)
         path = layer.tree.path(local)
@@ -265,9 +321,10 @@ class EnvletFS(pyfuse3.Operations):
         return p
 
     async def release(self, fh: int) -> None:
-        return None
+        self._handles.pop(fh, None)
 
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        self.fair.charge(await self._admit(ctx, "other"), 0.0)
         return not mode & os.W_OK
 
 

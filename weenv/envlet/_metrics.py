@@ -64,7 +64,7 @@ class Metrics:
             }
 
 
-def start_prometheus(metrics: Metrics, port: int, gauges: "callable") -> None:  # type: ignore[valid-type]
+def start_prometheus(metrics: Metrics, port: int, envs: "callable", gauges: "callable") -> None:  # type: ignore[valid-type]
     """Serve the counters on http://0.0.0.0:PORT/metrics (prometheus text format)."""
     from prometheus_client import start_http_server
     from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -86,6 +86,23 @@ def start_prometheus(metrics: Metrics, port: int, gauges: "callable") -> None:  
             h = HistogramMetricFamily("weenv_envlet_remote_fetch_seconds", "store range request latency")
             h.add_metric([], buckets, lat["sum_s"])
             yield h
+            per_env = envs()  # {env: {"requests": {op: n}, "busy_s", "read_bytes", "delayed", "delayed_s"}}
+            req = CounterMetricFamily("weenv_envlet_env_requests", "FUSE requests by env and kind", labels=["env", "op"])
+            busy = CounterMetricFamily("weenv_envlet_env_busy_seconds", "envlet loop time charged to the env",
+                                       labels=["env"])
+            rbytes = CounterMetricFamily("weenv_envlet_env_read_bytes", "bytes read by the env", labels=["env"])
+            delayed = CounterMetricFamily("weenv_envlet_env_delayed_requests",
+                                          "requests that waited for the env's fair share", labels=["env"])
+            delayed_s = CounterMetricFamily("weenv_envlet_env_delayed_seconds", "time those requests waited",
+                                            labels=["env"])
+            for env, u in per_env.items():
+                for op, n in u["requests"].items():
+                    req.add_metric([env, op], n)
+                busy.add_metric([env], u["busy_s"])
+                rbytes.add_metric([env], u["read_bytes"])
+                delayed.add_metric([env], u["delayed"])
+                delayed_s.add_metric([env], u["delayed_s"])
+            yield from (req, busy, rbytes, delayed, delayed_s)
             for name, value in gauges().items():
                 g = GaugeMetricFamily(f"weenv_envlet_{name}", name.replace("_", " "))
                 g.add_metric([], value)

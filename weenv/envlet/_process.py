@@ -20,7 +20,8 @@ class EnvletProcess:
     def __init__(self, mountpoint: str, cache_dir: str, control_socket: str, *, cache_size_bytes: int = 10 << 30,
                  memory_cache_size_bytes: int = 256 << 20, deadline_s: float = 30.0, state_file: str | None = None,
                  log_path: str | None = None, readahead_bytes: int | None = None, neighbor_bytes: int | None = None,
-                 metrics_port: int | None = None, tiers: "Sequence[str] | None" = None, id_base: int = 0):
+                 metrics_port: int | None = None, tiers: "Sequence[str] | None" = None, id_base: int = 0,
+                 fair: bool | None = None, fair_share_cores: float | None = None, env_cgroup: str | None = None):
         self.mountpoint = mountpoint
         self.cache_dir = cache_dir
         self.control_socket = control_socket
@@ -41,6 +42,12 @@ class EnvletProcess:
             self.args += ["--tiers", ",".join(tiers)]
         if id_base:
             self.args += ["--id-base", str(id_base)]
+        if fair is not None:
+            self.args += ["--fair" if fair else "--no-fair"]
+        if fair_share_cores is not None:
+            self.args += ["--fair-share", str(fair_share_cores)]
+        if env_cgroup is not None:
+            self.args += ["--env-cgroup", env_cgroup]
         self.log_path = log_path or os.path.join(cache_dir, "envlet.log")
         self.proc: subprocess.Popen | None = None
         self.client = EnvletClient(control_socket)

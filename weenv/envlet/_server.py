@@ -48,6 +48,7 @@ from ._control import (
     request_decoder,
 )
 from ._extract import extract_layer
+from ._fair import MAX_FUSE_TASKS, EnvResolver, FairShare
 from ._fetch import Fetcher, LayerSource
 from ._tier import DEFAULT_TIERS, TierConfig, load_tiers
 from ._fs import EnvletFS
@@ -130,7 +131,7 @@ class Envlet:
                  control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
                  readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10, max_concurrent_fetches: int = 8,
                  tiers: str | Sequence[str] = DEFAULT_TIERS, tier_options: dict[str, str] | None = None,
-                 id_base: int = 0):
+                 id_base: int = 0, fair: bool = True, fair_share_cores: float = 0.2, env_cgroup: str = "weenv"):
         self.mountpoint = os.path.abspath(mountpoint)
         # files are shown (and layer trees written) owned by the host ids of the envs' user
         # namespace, whose root is host uid id_base (0: none; docs/security.md, "User namespaces")
@@ -141,6 +142,7 @@ class Envlet:
         self.readahead_bytes = readahead_bytes
         self.neighbor_bytes = neighbor_bytes
         self.metrics = Metrics()
+        self.fair = FairShare(enabled=fair, share_cores=fair_share_cores, resolver=EnvResolver(env_cgroup))
         self.deadline_s = deadline_s
         config = TierConfig(self.metrics, cache_dir=self.cache_dir, cache_size_bytes=cache_size_bytes,
                             memory_cache_size_bytes=memory_cache_size_bytes,
@@ -334,6 +336,8 @@ class Envlet:
             "l2_files": l2.files if l2 else 0, "layers": len(self.by_name),
             "inflight_chunks": len(self.fetcher._inflight),
             "tiers": {name: dataclasses.asdict(st) for name, st in self.fetcher.tier_stats.items()},
+            "fair": {"enabled": self.fair.enabled, "share_cores": self.fair.share_cores},
+            "envs": self.fair.snapshot(),
         }
 
     async def handle(self, req: Any) -> Reply:
@@ -431,13 +435,14 @@ class Envlet:
             await self.restore_state()
             nursery.start_soon(self._tune_bdi)
             if metrics_port:
-                start_prometheus(self.metrics, metrics_port, lambda: {
+                start_prometheus(self.metrics, metrics_port, self.fair.snapshot, lambda: {
                     "l1_size_bytes": self.l1.size_bytes if self.l1 else 0,
                     "l2_size_bytes": self.l2.size_bytes if self.l2 else 0,
                     "layers": len(self.by_name)})
             await nursery.start(self.serve_control)
             log.info("envlet serving %s (control %s)", self.mountpoint, self.control_socket)
-            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            # waiting requests (an env over its fair share) hold a task each: room for them and the rest
+            await pyfuse3.main(min_tasks=4, max_tasks=MAX_FUSE_TASKS)
             nursery.cancel_scope.cancel()
 
 
@@ -521,7 +526,8 @@ def raise_read_ahead(mountpoint: str, kb: int = 1024) -> None:
 def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cache_size_bytes: int,
           control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
           metrics_port: int | None = None, readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10,
-          tiers: str | Sequence[str] = DEFAULT_TIERS, debug: bool = False, id_base: int = 0) -> None:
+          tiers: str | Sequence[str] = DEFAULT_TIERS, debug: bool = False, id_base: int = 0, fair: bool = True,
+          fair_share_cores: float = 0.2, env_cgroup: str = "weenv") -> None:
     """Mount and serve until SIGTERM/SIGINT; always unmounts."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
@@ -534,7 +540,8 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     envlet = Envlet(mountpoint, cache_dir, cache_size_bytes=cache_size_bytes,
                     memory_cache_size_bytes=memory_cache_size_bytes, control_socket=control_socket,
                     state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes,
-                    neighbor_bytes=neighbor_bytes, tiers=tiers, id_base=id_base)
+                    neighbor_bytes=neighbor_bytes, tiers=tiers, id_base=id_base, fair=fair,
+                    fair_share_cores=fair_share_cores, env_cgroup=env_cgroup)
     options = set(pyfuse3.default_options)
     options |= {"fsname=weenv-envlet", "subtype=weenv", "allow_other", "ro"}
     if debug:
