@@ -343,3 +343,24 @@ def test_a_gone_sandbox_is_not_running_to_the_sdk(home: str) -> None:
     assert r.status_code == 503 and r.json()["code"] == "unavailable"
     for message in [a.json()["message"] for a in answers] + [r.json()["message"]]:
         assert isinstance(format_sandbox_unavailable_exception(message), SandboxNotRunningException), message
+
+
+def test_bad_rpc_messages_name_the_place(home: str) -> None:
+    from weenv.api._connect import envelope
+
+    app = create_app(OneDaemon(FakeDaemon({})), home=home)
+    sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
+    r = _call(app, "POST", "/filesystem.Filesystem/Stat", json={"path": 7}, headers=sbx)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument" and "$.path" in r.json()["message"]
+    r = _call(app, "POST", "/filesystem.Filesystem/ListDir", json={"path": "/", "depth": -1}, headers=sbx)
+    assert r.status_code == 400 and "$.depth" in r.json()["message"]
+    r = _call(app, "POST", "/filesystem.Filesystem/Stat", content=b"{nope", headers={**sbx, "Content-Type": "application/json"})
+    assert r.status_code == 400
+    r = _call(app, "POST", "/filesystem.Filesystem/Stat", content=b"{}", headers={**sbx, "Content-Type": "text/plain"})
+    assert r.status_code == 415
+    r = _call(app, "POST", "/process.Process/Start", content=envelope(b'{"process": {"args": [1]}}'),
+              headers={**sbx, "Content-Type": "application/connect+json"})
+    reader = EnvelopeReader()
+    (flags, last), = list(reader.feed(r.content))
+    assert r.status_code == 200 and flags == END_STREAM
+    assert json.loads(last)["error"]["code"] == "invalid_argument" and "$.process.args[0]" in last.decode()

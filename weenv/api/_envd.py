@@ -24,7 +24,7 @@ import stat as stat_mod
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import httpx
@@ -50,6 +50,58 @@ WATCH_POLL_S = 0.25
 KEEPALIVE_S = 50.0
 
 _FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+
+
+# -- request messages (proto JSON: camelCase names; unknown fields ignored, as proto JSON readers do) --
+
+
+class _Message(msgspec.Struct, rename="camel", kw_only=True):
+    pass
+
+
+class PathRequest(_Message):
+    """Stat, MakeDir, Remove."""
+
+    path: str = ""
+
+
+class MoveRequest(_Message):
+    source: str = ""
+    destination: str = ""
+
+
+class ListDirRequest(_Message):
+    path: str = ""
+    depth: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+
+
+class WatchRequest(_Message):
+    """WatchDir, CreateWatcher."""
+
+    path: str = ""
+    recursive: bool = False
+    include_entry: bool = False
+    allow_network_mounts: bool = False
+
+
+class WatcherRequest(_Message):
+    """GetWatcherEvents, RemoveWatcher."""
+
+    watcher_id: str = ""
+
+
+class ProcessConfig(_Message):
+    cmd: str = ""
+    args: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
+    envs: dict[str, str] = {}
+    cwd: str | None = None
+
+
+class StartRequest(_Message):
+    process: ProcessConfig | None = None
+    pty: dict[str, Any] | None = None
+    tag: str | None = None
+    stdin: bool | None = None
 
 
 # -- the env, through the daemon ----------------------------------------------------------------
@@ -136,8 +188,8 @@ async def _entry(view: EnvView, info: dict[str, Any], path: str) -> dict[str, An
     return out
 
 
-def _abs(path: Any, what: str = "path") -> str:
-    if not isinstance(path, str) or not path:
+def _abs(path: str, what: str = "path") -> str:
+    if not path:
         raise ConnectError(Code.INVALID_ARGUMENT, f"{what} is required")
     if "\x00" in path:
         raise ConnectError(Code.INVALID_ARGUMENT, f"{what} holds a NUL byte")
@@ -162,13 +214,13 @@ def _rpc_error(e: DaemonError | HttpError, path: str | None = None) -> ConnectEr
 # -- filesystem.Filesystem ----------------------------------------------------------------------
 
 
-async def fs_stat(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
-    path = _abs(req.get("path"))
+async def fs_stat(view: EnvView, req: PathRequest) -> dict[str, Any]:
+    path = _abs(req.path)
     return {"entry": await _entry(view, await view.stat(path), path)}
 
 
-async def fs_make_dir(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
-    path = _abs(req.get("path"))
+async def fs_make_dir(view: EnvView, req: PathRequest) -> dict[str, Any]:
+    path = _abs(req.path)
     try:
         info = await view.stat(path)
     except DaemonError as e:
@@ -182,8 +234,8 @@ async def fs_make_dir(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
     return {"entry": await _entry(view, await view.stat(path), path)}
 
 
-async def fs_move(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
-    src, dst = _abs(req.get("source"), "source"), _abs(req.get("destination"), "destination")
+async def fs_move(view: EnvView, req: MoveRequest) -> dict[str, Any]:
+    src, dst = _abs(req.source, "source"), _abs(req.destination, "destination")
     await view.stat(src)  # NOT_FOUND for a missing source, before anything runs
     body: dict[str, Any] = {"argv": ["mv", "-f", "--", src, dst], "timeout_s": 60.0}
     if view.user:
@@ -222,17 +274,17 @@ async def _walk(view: EnvView, root: str, depth: int, limit: int,
     return out
 
 
-async def fs_list_dir(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
-    path = _abs(req.get("path"))
-    depth = int(req.get("depth") or 1)
+async def fs_list_dir(view: EnvView, req: ListDirRequest) -> dict[str, Any]:
+    path = _abs(req.path)
+    depth = req.depth or 1
     info = await view.stat(path)
     if info.get("kind") != "dir":
         raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
     return {"entries": [await _entry(view, i, p) for p, i in await _walk(view, path, depth, MAX_LIST_ENTRIES)]}
 
 
-async def fs_remove(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
-    path = _abs(req.get("path"))
+async def fs_remove(view: EnvView, req: PathRequest) -> dict[str, Any]:
+    path = _abs(req.path)
     await view.stat(path)
     await view.files("DELETE", path, params={"recursive": "1"})
     return {}
@@ -268,17 +320,17 @@ def _diff(old: dict[str, tuple[str, int, float]], new: dict[str, tuple[str, int,
     return events
 
 
-async def _new_watcher(view: EnvView, req: dict[str, Any]) -> Watcher:
-    path = _abs(req.get("path"))
+async def _new_watcher(view: EnvView, req: WatchRequest) -> Watcher:
+    path = _abs(req.path)
     info = await view.stat(path)
     if info.get("kind") != "dir":
         raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
-    w = Watcher(view.env_id, path, bool(req.get("recursive")))
+    w = Watcher(view.env_id, path, req.recursive)
     w.seen = await _look(view, w)
     return w
 
 
-async def fs_create_watcher(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+async def fs_create_watcher(view: EnvView, req: WatchRequest) -> dict[str, Any]:
     watchers = view.state.watchers
     now = time.monotonic()
     for wid in [wid for wid, w in watchers.items() if now - w.used_s > WATCHER_IDLE_S]:
@@ -294,28 +346,28 @@ async def fs_create_watcher(view: EnvView, req: dict[str, Any]) -> dict[str, Any
     return {"watcherId": watcher_id}
 
 
-def _watcher(view: EnvView, req: dict[str, Any]) -> tuple[str, Watcher]:
-    wid = req.get("watcherId") or req.get("watcher_id") or ""
+def _watcher(view: EnvView, req: WatcherRequest) -> tuple[str, Watcher]:
+    wid = req.watcher_id
     w = view.state.watchers.get(wid)
     if w is None or w.env_id != view.env_id:
         raise ConnectError(Code.NOT_FOUND, f"watcher {wid!r} not found")
     return wid, w
 
 
-async def fs_get_watcher_events(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+async def fs_get_watcher_events(view: EnvView, req: WatcherRequest) -> dict[str, Any]:
     _, w = _watcher(view, req)
     new = await _look(view, w)
     events, w.seen = _diff(w.seen, new), new
     return {"events": events}
 
 
-async def fs_remove_watcher(view: EnvView, req: dict[str, Any]) -> dict[str, Any]:
+async def fs_remove_watcher(view: EnvView, req: WatcherRequest) -> dict[str, Any]:
     wid, _ = _watcher(view, req)
     view.state.watchers.pop(wid, None)
     return {}
 
 
-async def fs_watch_dir(view: EnvView, req: dict[str, Any], keepalive_s: float) -> AsyncIterator[dict[str, Any]]:
+async def fs_watch_dir(view: EnvView, req: WatchRequest, keepalive_s: float) -> AsyncIterator[dict[str, Any]]:
     w = await _new_watcher(view, req)
     yield {"start": {}}
     last_sent = time.monotonic()
@@ -364,23 +416,23 @@ async def _has_bash(view: EnvView) -> bool:
 # -- process.Process (foreground Start on the daemon's streamed exec) ---------------------------
 
 
-async def proc_start(view: EnvView, req: dict[str, Any], keepalive_s: float) -> AsyncIterator[dict[str, Any]]:
+async def proc_start(view: EnvView, req: StartRequest, keepalive_s: float) -> AsyncIterator[dict[str, Any]]:
     """A command to its end: start (the pid is a made-up one: weenv's exec has no handle yet),
     its output as it comes, then its end. Background commands, stdin and signals need the
     daemon's process handles (not yet)."""
-    proc = req.get("process") or {}
-    if not isinstance(proc, dict) or not proc.get("cmd"):
+    proc = req.process
+    if proc is None or not proc.cmd:
         raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
-    if req.get("pty"):
+    if req.pty is not None:
         raise ConnectError(Code.UNIMPLEMENTED, "pty: weenv serve does not run commands on a pty yet")
-    argv = [str(proc["cmd"]), *[str(a) for a in (proc.get("args") or [])]]
+    argv = [proc.cmd, *proc.args]
     if argv[0] == "/bin/bash" and not await _has_bash(view):
         argv[0] = "/bin/sh"  # the SDK runs every command with `/bin/bash -l -c`; small images have only sh
     body: dict[str, Any] = {"argv": argv, "stream": True}
-    if proc.get("envs"):
-        body["env"] = {str(k): str(v) for k, v in proc["envs"].items()}
-    if proc.get("cwd"):
-        body["cwd"] = str(proc["cwd"])
+    if proc.envs:
+        body["env"] = dict(proc.envs)
+    if proc.cwd:
+        body["cwd"] = proc.cwd
     if view.user:
         body["user"] = view.user
     client = view.client
@@ -420,22 +472,22 @@ async def proc_start(view: EnvView, req: dict[str, Any], keepalive_s: float) -> 
 
 # -- Connect glue -------------------------------------------------------------------------------
 
-Unary = Callable[[EnvView, dict[str, Any]], Awaitable[dict[str, Any]]]
-Stream = Callable[[EnvView, dict[str, Any], float], AsyncIterator[dict[str, Any]]]
+Unary = Callable[[EnvView, Any], Awaitable[dict[str, Any]]]
+Stream = Callable[[EnvView, Any, float], AsyncIterator[dict[str, Any]]]
 
-UNARY: dict[str, Unary] = {
-    "filesystem.Filesystem/Stat": fs_stat,
-    "filesystem.Filesystem/MakeDir": fs_make_dir,
-    "filesystem.Filesystem/Move": fs_move,
-    "filesystem.Filesystem/ListDir": fs_list_dir,
-    "filesystem.Filesystem/Remove": fs_remove,
-    "filesystem.Filesystem/CreateWatcher": fs_create_watcher,
-    "filesystem.Filesystem/GetWatcherEvents": fs_get_watcher_events,
-    "filesystem.Filesystem/RemoveWatcher": fs_remove_watcher,
+UNARY: dict[str, tuple[type[_Message], Unary]] = {
+    "filesystem.Filesystem/Stat": (PathRequest, fs_stat),
+    "filesystem.Filesystem/MakeDir": (PathRequest, fs_make_dir),
+    "filesystem.Filesystem/Move": (MoveRequest, fs_move),
+    "filesystem.Filesystem/ListDir": (ListDirRequest, fs_list_dir),
+    "filesystem.Filesystem/Remove": (PathRequest, fs_remove),
+    "filesystem.Filesystem/CreateWatcher": (WatchRequest, fs_create_watcher),
+    "filesystem.Filesystem/GetWatcherEvents": (WatcherRequest, fs_get_watcher_events),
+    "filesystem.Filesystem/RemoveWatcher": (WatcherRequest, fs_remove_watcher),
 }
-STREAMS: dict[str, Stream] = {
-    "filesystem.Filesystem/WatchDir": fs_watch_dir,
-    "process.Process/Start": proc_start,
+STREAMS: dict[str, tuple[type[_Message], Stream]] = {
+    "filesystem.Filesystem/WatchDir": (WatchRequest, fs_watch_dir),
+    "process.Process/Start": (StartRequest, proc_start),
 }
 NOT_YET = {"process.Process/Connect", "process.Process/List", "process.Process/SendInput",
            "process.Process/StreamInput", "process.Process/SendSignal", "process.Process/CloseStdin",
@@ -453,14 +505,12 @@ def _rpc_user(request: Request) -> str | None:
     return user or None
 
 
-def _decode_message(data: bytes) -> dict[str, Any]:
+def _decode_message(data: bytes, cls: type[_Message]) -> Any:
+    """The request message as ``cls``; a wrong one is INVALID_ARGUMENT naming the place (``at `$.path```)."""
     try:
-        msg = json.loads(data or b"{}")
-    except ValueError as e:
-        raise ConnectError(Code.INVALID_ARGUMENT, f"request message is not JSON: {e}") from None
-    if not isinstance(msg, dict):
-        raise ConnectError(Code.INVALID_ARGUMENT, "request message must be a JSON object")
-    return msg
+        return msgspec.json.decode(data or b"{}", type=cls)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"request message: {e}") from None
 
 
 async def _guarded(coro: Awaitable[Any]) -> Any:
@@ -486,7 +536,8 @@ async def rpc(request: Request) -> Response:
         try:
             view.user = _rpc_user(request)
             body = await _bounded_body(request)
-            answer = await _guarded(UNARY[name](view, _decode_message(body)))
+            cls, handler = UNARY[name]
+            answer = await _guarded(handler(view, _decode_message(body, cls)))
         except ConnectError as e:
             return _unary_error(e)
         return Response(msgspec.json.encode(answer), 200, media_type=UNARY_CONTENT_TYPE)
@@ -501,7 +552,8 @@ async def rpc(request: Request) -> Response:
             if len(messages) != 1:
                 raise ConnectError(Code.INVALID_ARGUMENT, f"a server stream takes one request message, not "
                                    f"{len(messages)}")
-            req = _decode_message(messages[0][1])
+            cls, stream = STREAMS[name]
+            req = _decode_message(messages[0][1], cls)
             keepalive = float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_S)
         except FramingError as e:
             return _stream_error_response(ConnectError(Code.INVALID_ARGUMENT, str(e)))
@@ -510,7 +562,7 @@ async def rpc(request: Request) -> Response:
             return _stream_error_response(err)
         timeout_ms = request.headers.get("connect-timeout-ms")
         deadline = time.monotonic() + int(timeout_ms) / 1000 if timeout_ms and timeout_ms.isdigit() else None
-        return StreamingResponse(_stream(STREAMS[name](view, req, max(1.0, keepalive)), deadline), 200,
+        return StreamingResponse(_stream(stream(view, req, max(1.0, keepalive)), deadline), 200,
                                  media_type=STREAM_CONTENT_TYPE)
     if name in NOT_YET:
         return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: weenv serve runs commands only for as long "
