@@ -102,12 +102,21 @@ class RolloutSettings(_Strict):
     #: Deadline of each daemon call but exec (create, commit, kill, file transfer); exec calls get
     #: this on top of the command's own timeout.
     client_timeout_s: PositiveSeconds = 300.0
+    #: A Ray cluster whose nodes run weenv node agents: ``"auto"`` (the Ray cluster this job runs
+    #: in) or its address; envs are then placed over its nodes (docs/cluster.md). ``None``: the
+    #: node's own daemon (``socket``).
+    cluster: str | None = None
+    #: The token the node agents check (env ``WEENV_CLUSTER_TOKEN``).
+    cluster_token: str | None = None
+    #: ``host[:port]/repo`` of the cluster's registry: group snapshots are published there, so the
+    #: envs of one group start on any node.
+    cluster_store: str | None = None
 
 
 ENV_FIELDS = frozenset(EnvSpec.__struct_fields__)
 ROLLOUT_FIELDS = frozenset(RolloutSettings.__struct_fields__)
 _STRING_FIELDS = {"plan", "snapshot", "workdir", "user", "parser", "observation_prefix", "observation_suffix",
-                  "socket", "tokenizer", "cpu", "memory"}
+                  "socket", "tokenizer", "cpu", "memory", "cluster", "cluster_token", "cluster_store"}
 _AT = re.compile(r"at `\$\.?([^`]*)`")
 
 

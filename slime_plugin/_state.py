@@ -46,6 +46,27 @@ _states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[RolloutSettin
 )
 
 
+_clusters: dict[tuple[str, str | None, str | None], Any] = {}
+_clusters_lock = threading.Lock()
+
+
+def _client_for(settings: RolloutSettings) -> Any:
+    """The node's daemon, or (``cluster`` set) the cluster's placement over Ray node agents: one
+    cluster connection per process (joining it blocks once, on the first sample)."""
+    if settings.cluster is None:
+        return weenv.AsyncClient(settings.socket, timeout_s=None, autostart=settings.autostart)
+    import weenv.cluster
+
+    key = (settings.cluster, settings.cluster_token, settings.cluster_store)
+    with _clusters_lock:
+        cluster = _clusters.get(key)
+        if cluster is None:
+            cluster = weenv.cluster.connect(None if settings.cluster == "auto" else settings.cluster,
+                                            token=settings.cluster_token, store=settings.cluster_store)
+            _clusters[key] = cluster
+    return cluster.async_client()
+
+
 def loop_state(settings: RolloutSettings) -> LoopState:
     per_loop = _states.setdefault(asyncio.get_running_loop(), {})
     state = per_loop.get(settings)
@@ -53,7 +74,7 @@ def loop_state(settings: RolloutSettings) -> LoopState:
         state = LoopState(
             settings=settings,
             # No HTTP-level deadline: the sandbox gives every call one sized to the operation.
-            client=weenv.AsyncClient(settings.socket, timeout_s=None, autostart=settings.autostart),
+            client=_client_for(settings),
             create_slots=asyncio.Semaphore(settings.create_concurrency),
             env_slots=None if settings.max_envs is None else asyncio.Semaphore(settings.max_envs),
             templates=GroupTemplates(),

@@ -145,8 +145,9 @@ def rw(registry):
         return {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 << 20,
                 "env_vars": {"WEENV_HOME": homes[i], "WEENV_CGROUP_ROOT": roots[i], "WEENV_AUTOSTART": "0"}}
 
-    ray_cluster = RayCluster(initialize_head=True, head_node_args={
-        **node_args(0), "include_dashboard": False, "temp_dir": str(base / "ray")})
+    old_tmp = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(base)  # Ray's session dirs and its address file go here, not /tmp/ray
+    ray_cluster = RayCluster(initialize_head=True, head_node_args={**node_args(0), "include_dashboard": False})
     cluster = None
     try:
         for i in (1, 2):
@@ -169,6 +170,10 @@ def rw(registry):
         ray.shutdown()
         ray_cluster.shutdown()
         print(f"teardown: daemons {t2 - t1:.1f} s, ray {time.monotonic() - t2:.1f} s")
+        if old_tmp is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old_tmp
         shutil.rmtree(base, ignore_errors=True)
         assert not left, f"the cluster tests left: {left}"
 
@@ -322,6 +327,52 @@ def test_a_restarted_gateway_rebuilds_routing_from_node_reports(rw):
     finally:
         for e in envs:
             e.kill()
+
+
+def test_a_slime_rollout_step_spreads_its_groups_over_the_cluster(rw, fake_sglang, tmp_path):
+    """Two groups of 3 samples (fork per group) through slime_plugin with a cluster address: each
+    group's leader is placed, its snapshot published, the followers start from it."""
+    import asyncio
+    import json
+
+    from slime_plugin import _state as plugin_state
+    from slime_plugin import rollout as plugin_rollout
+    from weenv.testing import Sample, sampling_params, slime_args, turns
+
+    lock = tmp_path / "bb.lock.json"
+    lock.write_text(json.dumps(rw.plan_bb))
+    fake_sglang.reply = turns(["<bash>cat /task/seed && hostname</bash>", "<answer>ok</answer>"])
+    fake_sglang.latency_s = 0.3  # the samples' envs live at the same time
+    # each env guarantees 0.9 cores: a node (2 cores) admits two, so six envs need all three nodes
+    args = slime_args(fake_sglang, weenv_cluster="auto", weenv_cluster_token=TOKEN, weenv_cpu="0.9-1",
+                      weenv_cluster_store=f"{rw.registry_host}/ct/snaps", weenv_plan=str(lock), n_samples_per_prompt=3,
+                      weenv_setup=["mkdir -p /task && echo seeded > /task/seed"],
+                      weenv_evaluator={"command": "grep -q seeded /task/seed"})
+    samples = [Sample(index=i, group_index=i // 3, prompt="p") for i in range(6)]
+    before = {n: rw.cluster.report(n).capacity.admitted for n in rw.node_names()}
+
+    async def main():
+        try:
+            await asyncio.gather(*(plugin_rollout.generate(args, x, sampling_params()) for x in samples))
+            return plugin_rollout.statistics()
+        finally:
+            await plugin_state.close_loop_states()
+
+    try:
+        stats = asyncio.run(main())
+    finally:
+        for cluster in plugin_state._clusters.values():
+            cluster.close()
+        plugin_state._clusters.clear()
+    for x in samples:
+        assert x.status is Sample.Status.COMPLETED, x.metadata.get("abort_reason")
+        assert x.reward == 1.0 and "seeded" in x.response
+    assert stats["group_leaders"] == 2 and stats["commits"] == 2 and stats["created_from_snapshot"] == 6
+    rw.cluster.refresh()
+    used = [n for n in rw.node_names() if rw.cluster.report(n).capacity.admitted > before[n]]
+    print("envs admitted per node:", {n: rw.cluster.report(n).capacity.admitted - before[n] for n in rw.node_names()})
+    assert len(used) == 3
+    assert not rw.cluster.routes()  # every env of the step is gone
 
 
 def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw):

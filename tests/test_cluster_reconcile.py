@@ -200,3 +200,15 @@ def test_capacity_counts_only_the_envs_the_daemon_still_lists():
     cap = capacity_from_top(top, live={"a"})
     assert cap.cpu_committed_cores == 0.5 and cap.memory_committed_bytes == 64 << 20
     assert cap.memory_guaranteed_bytes == (4 << 30) - (512 << 20)
+
+
+def test_a_late_answer_never_replaces_a_newer_report():
+    r, clock, _ = make()
+    a = FakeAgent("a")
+    r.add(a)
+    run(r, clock, 2.0)
+    entry = r.nodes["a"]
+    newer = NodeReport(node="a", seq=entry.report.seq + 10, capacity=entry.report.capacity)
+    entry.report = newer  # what the cluster fetched right after a create
+    run(r, clock, 1.0)  # the poll answers with an older sequence number
+    assert entry.report is newer and entry.state is NodeState.HEALTHY

@@ -13,6 +13,7 @@ from ._errors import (
     PlacementError,
     UnknownEnvError,
 )
+from ._aio import AsyncClusterClient, AsyncClusterEnv
 from ._agent import NodeAgent, agent_class, agent_name, load_published, node_name_for
 from ._cluster import Backend, Cluster, ClusterEnv, NodeClient, connect
 from ._placement import Choice, ClusterView, PlacementRequest, place, place_group, rank, request_for
@@ -22,6 +23,8 @@ from ._report import Capacity, EnvHeld, LayerHeld, NodeReport, SnapshotHeld, cap
 __all__ = [
     "AgentError",
     "AgentHandle",
+    "AsyncClusterClient",
+    "AsyncClusterEnv",
     "Backend",
     "Capacity",
     "Choice",

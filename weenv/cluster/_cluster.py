@@ -113,7 +113,9 @@ class Backend(Protocol):
         """The nodes placement would pick for ``req`` now, best first."""
         return rank(self._current_view(), req, limit=limit)
 
-    def for_create(self, plan: dict[str, Any], *, snapshot: str | None = None) -> NodeClient: ...
+    def for_create(self, request: dict[str, Any]) -> NodeClient: ...
+
+    def all(self) -> list[NodeClient]: ...
 
 
 # ================================================================================ reconciler glue
@@ -422,6 +424,18 @@ class Cluster:
             node = hint
         return self._client(node)
 
+    def all(self) -> list[NodeClient]:
+        """Every node that is not lost (lists and metrics gather from all of them)."""
+        with self._lock:
+            lost = {n for n, e in self.reconciler.nodes.items() if e.state is NodeState.LOST}
+            return [c for n, c in self.clients.items() if n not in lost]
+
+    def async_client(self) -> Any:
+        """This cluster as an asyncio client shaped like :class:`weenv.AsyncClient` (slime_plugin)."""
+        from ._aio import AsyncClusterClient
+
+        return AsyncClusterClient(self)
+
     def _current_view(self) -> ClusterView:
         with self._lock:
             reports = self.reconciler.reports()
@@ -472,8 +486,9 @@ class Cluster:
         """The nodes placement would pick for ``req`` now, best first."""
         return rank(self._current_view(), req, limit=limit)
 
-    def for_create(self, plan: dict[str, Any] | None, *, snapshot: str | None = None) -> NodeClient:
-        req, _ = self._request(plan, snapshot)
+    def for_create(self, request: dict[str, Any]) -> NodeClient:
+        """The node for a ``POST /v1/envs`` body (``plan``: a lock, or ``snapshot``: an id or published ref)."""
+        req, _ = self._request(request.get("plan"), request.get("snapshot"))
         ranked = rank(self._current_view(), req, limit=1)
         if not ranked:
             place_group(self._current_view(), req, 1)  # raises with the reasons
@@ -537,6 +552,15 @@ class Cluster:
             self._published[snapshot] = rec
             self._published[rec["ref"]] = rec
         return rec
+
+    def delete_snapshot(self, snapshot: str) -> None:
+        """Remove a snapshot from the node that holds it (a published copy stays in the store)."""
+        home = self._snapshot_home.get(snapshot) or self._find_snapshot(snapshot)
+        if home is None:
+            raise ClusterError(f"no node holds snapshot {snapshot!r}")
+        self._client(home).call("DELETE", f"/v1/snapshots/{snapshot}")
+        with self._lock:
+            self._snapshot_home.pop(snapshot, None)
 
     def fork(self, env: ClusterEnv, n: int) -> list[ClusterEnv]:
         if not 1 <= n <= 1024:

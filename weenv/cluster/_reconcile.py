@@ -146,7 +146,8 @@ class Reconciler:
             self._fail(entry, f"{type(e).__name__}: {e}", now)
             return
         previous = entry.report
-        entry.report = report
+        if previous is None or report.seq >= previous.seq:
+            entry.report = report  # never an older one over a newer (one fetched after a create, say)
         if previous is None or report.seq != previous.seq:
             entry.last_seq_change_s = now
         elif entry.last_seq_change_s is not None and now - entry.last_seq_change_s > self.call_timeout_s:
