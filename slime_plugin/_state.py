@@ -55,13 +55,13 @@ def _client_for(settings: RolloutSettings) -> Any:
     cluster connection per process (joining it blocks once, on the first sample)."""
     if settings.cluster is None:
         return weenv.AsyncClient(settings.socket, timeout_s=None, autostart=settings.autostart)
-    import weenv.cluster
+    from weenv import cluster as weenv_cluster
 
     key = (settings.cluster, settings.cluster_token, settings.cluster_store)
     with _clusters_lock:
         cluster = _clusters.get(key)
         if cluster is None:
-            cluster = weenv.cluster.connect(None if settings.cluster == "auto" else settings.cluster,
+            cluster = weenv_cluster.connect(None if settings.cluster == "auto" else settings.cluster,
                                             token=settings.cluster_token, store=settings.cluster_store)
             _clusters[key] = cluster
     return cluster.async_client()
