@@ -250,3 +250,30 @@ def test_process_handles_over_tcp(served: Served) -> None:
         sleeper.kill()
         end = sleeper.wait()
         assert end is not None and end.exit_code != 0
+
+
+def test_signed_file_urls(served: Served) -> None:
+    """download_url/upload_url carry a signature instead of the token (reached by host name: the
+    URL names no sandbox otherwise)."""
+    import urllib.parse as up
+
+    sbx = e2b.Sandbox.create("bb", timeout=60)
+    try:
+        host = {"Host": f"49983-{sbx.sandbox_id}.weenv.test"}
+
+        def local(url: str) -> str:
+            parts = up.urlsplit(url)
+            return served.url + parts.path + "?" + parts.query
+
+        up_url = sbx.upload_url("/tmp/signed.txt", use_signature_expiration=60)
+        r = httpx.post(local(up_url), files={"file": ("signed.txt", b"signed")}, headers=host)
+        assert r.status_code == 200, r.text
+        down = sbx.download_url("/tmp/signed.txt")
+        r = httpx.get(local(down), headers=host)
+        assert r.status_code == 200 and r.content == b"signed"
+        assert httpx.get(local(down).replace("signed.txt", "other.txt"), headers=host).status_code == 401
+        assert httpx.post(local(down), files={"file": ("x", b"x")}, headers=host).status_code == 401  # read-only
+        expired = sbx.download_url("/tmp/signed.txt", use_signature_expiration=-10)
+        assert httpx.get(local(expired), headers=host).status_code == 401
+    finally:
+        sbx.kill()

@@ -15,9 +15,13 @@ puts the caller (``weenv.key``) or the target env (``weenv.env``) into the scope
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import hmac
 import re
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -123,7 +127,8 @@ class Gate:
         client = scope.get("client") or ("?", 0)
         if target is not None:
             env_id, port = target
-            if not self.state.tokens.verify(env_id, headers.get("x-access-token")):
+            if not self.state.tokens.verify(env_id, headers.get("x-access-token")) and \
+                    not self._signed(scope, env_id):
                 reason = "missing_token" if not headers.get("x-access-token") else "wrong_token"
                 self._failed(surface, reason, client, scope["path"])
                 return _refusal(surface, 401, "unauthorized", f"missing or wrong X-Access-Token for sandbox {env_id}")
@@ -147,6 +152,24 @@ class Gate:
                             f"{hint} (keys: `weenv token create`)")
         scope["weenv.key"] = key
         return None
+
+    def _signed(self, scope: Scope, env_id: str) -> bool:
+        """A ``/files`` URL signed as the SDK's ``download_url``/``upload_url`` sign them: sha256 of
+        ``path:operation:user:token[:expiration]``, unexpired (E2B's v1 signature)."""
+        if scope["path"] != "/files" or scope["method"] not in ("GET", "POST"):
+            return False
+        q = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        if not q.get("signature") or "path" not in q:
+            return False
+        expiration = q.get("signature_expiration")
+        if expiration is not None and (not expiration.isdigit() or int(expiration) < time.time()):
+            return False
+        operation = "read" if scope["method"] == "GET" else "write"
+        raw = f"{q['path']}:{operation}:{q.get('username', '')}:{self.state.tokens.mint(env_id)}"
+        if expiration is not None:
+            raw += f":{expiration}"
+        expected = "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
+        return hmac.compare_digest(expected, q["signature"])
 
     def _failed(self, surface: str, reason: str, client: tuple[str, int], path: str) -> None:
         self.state.metrics.auth_failures.labels(surface, reason).inc()
