@@ -296,3 +296,38 @@ def test_the_cli_refuses_a_tier_list_it_cannot_build(tmp_path) -> None:
                                   str(tmp_path / "c"), "--tiers", "memory,disk,peer,registry"])
     assert r.exit_code == 2 and "--tiers" in r.output and "tiers[2] 'peer': no such tier" in r.output
     assert not (tmp_path / "m").exists()  # refused before anything was mounted or made
+
+
+def test_a_new_tier_is_one_module_named_after_it(tmp_path, monkeypatch) -> None:
+    # what weenv/envlet/_tier_peer.py will be: a module with make_tier(config); --tiers puts it in line
+    import importlib.machinery
+    import sys
+    import types
+
+    made: list[TierConfig] = []
+    peer = types.ModuleType("weenv.envlet._tier_peer")
+    peer.__spec__ = importlib.machinery.ModuleSpec("weenv.envlet._tier_peer", None)
+
+    def make_tier(config: TierConfig) -> ChunkTier:
+        made.append(config)
+        return FakeChunkTier("peer", capacity_bytes=int(config.options["peer.capacity_bytes"]))
+
+    peer.make_tier = make_tier  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "weenv.envlet._tier_peer", peer)
+    config = TierConfig(Metrics(), cache_dir=str(tmp_path), options={"peer.capacity_bytes": "1000"})
+    tiers = load_tiers("memory,disk,peer,registry", config)
+    assert [t.name for t in tiers] == ["memory", "disk", "peer", "registry"] and made == [config]
+    assert tiers[2].capacity_bytes == 1000  # type: ignore[attr-defined]
+    peer.make_tier = lambda config: object()  # type: ignore[attr-defined]
+    with pytest.raises(TierConfigError, match=r"tiers\[0\] 'peer': make_tier returned object, not a ChunkTier"):
+        load_tiers("peer", config)
+
+
+def test_the_cli_refuses_a_tier_option_that_is_not_key_value(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from weenv.cli import main
+
+    r = CliRunner().invoke(main, ["envlet", "serve", "--mountpoint", str(tmp_path / "m"), "--cache-dir",
+                                  str(tmp_path / "c"), "--tier-option", "peer.address=x", "--tier-option", "nope"])
+    assert r.exit_code == 2 and "--tier-option" in r.output and "'nope' (the 2. one) is not KEY=VALUE" in r.output

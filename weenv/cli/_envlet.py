@@ -35,6 +35,8 @@ def envlet() -> None:
 @click.option("--id-base", type=click.IntRange(0, 2**32 - 65536), default=0, show_default=True,
               help="Show owners (and write layer trees) as host ids from this base: the root of the envs' "
                    "user namespace (0: envs without one).")
+@click.option("--tier-option", "tier_options", multiple=True, metavar="KEY=VALUE",
+              help="A setting for a tier (repeatable), e.g. peer.address=10.0.0.2:7070.")
 @click.option("--fair/--no-fair", default=True, show_default=True,
               help="Keep one env's request storm from starving other envs' file reads.")
 @click.option("--fair-share", "fair_share_cores", type=click.FloatRange(0, 64, min_open=True), default=0.2,
@@ -45,7 +47,7 @@ def envlet() -> None:
 def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_size: int, control_socket: str,
               state_file: str | None, deadline_s: float, readahead_bytes: int, neighbor_bytes: int,
               metrics_port: int | None, tiers: str, debug: bool, id_base: int = 0, fair: bool = True,
-              fair_share_cores: float = 0.2, env_cgroup: str = "weenv") -> None:
+              fair_share_cores: float = 0.2, env_cgroup: str = "weenv", tier_options: tuple[str, ...] = ()) -> None:
     """Mount the envlet and serve until SIGTERM."""
     from ..envlet import serve
     from ..envlet._tier import TierConfigError, parse_tiers
@@ -54,12 +56,18 @@ def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_siz
         parse_tiers(tiers)
     except TierConfigError as e:
         raise click.BadParameter(str(e), param_hint="--tiers") from None
+    options = {}
+    for i, opt in enumerate(tier_options):
+        key, eq, value = opt.partition("=")
+        if not eq or not key.strip():
+            raise click.BadParameter(f"{opt!r} (the {i + 1}. one) is not KEY=VALUE", param_hint="--tier-option")
+        options[key.strip()] = value
     if not env_cgroup or "/" in env_cgroup or env_cgroup in (".", ".."):
         raise click.BadParameter(f"{env_cgroup!r} is not a cgroup name (one path component)", param_hint="--env-cgroup")
     serve(mountpoint, cache_dir, cache_size_bytes=cache_size, memory_cache_size_bytes=memory_cache_size,
           control_socket=control_socket, state_file=state_file, deadline_s=deadline_s, metrics_port=metrics_port,
           readahead_bytes=readahead_bytes, neighbor_bytes=neighbor_bytes, tiers=tiers, debug=debug, id_base=id_base,
-          fair=fair, fair_share_cores=fair_share_cores, env_cgroup=env_cgroup)
+          fair=fair, fair_share_cores=fair_share_cores, env_cgroup=env_cgroup, tier_options=options)
 
 
 @envlet.command("ls")

@@ -20,8 +20,11 @@ against it when another env comes. Not work-conserving on purpose: the cost of a
 neighbour is mostly CPU outside the envlet's loop (the storm's own processes, the kernel's FUSE
 round trips, the envlet's threads waiting for the GIL), which only slowing the storm gives back.
 With the default 0.2 cores and two envs active, an env gets ~2,700 first-time lookups/s (the
-kernel caches entries, positive and negative, for a day, so only first-time lookups reach here). A waiting request holds one pyfuse3 worker task (the envlet runs
-up to ``MAX_FUSE_TASKS``), so other envs' requests are still read from /dev/fuse and served.
+kernel caches entries, positive and negative, for a day, so only first-time lookups reach here).
+The host (``-``) is never delayed and does not count as an active env. A waiting request holds
+one pyfuse3 worker task (the envlet runs up to ``MAX_FUSE_TASKS``), so other envs' requests are
+still read from /dev/fuse and served — unless one env has more requests in flight than that
+(threads × 1 each), when the kernel's FIFO queue holds the others' behind its own.
 
 Per env: requests by kind, loop-seconds charged, bytes read, requests delayed and the time they
 waited (``stats()["envs"]``, ``weenv_envlet_env_*{env="…"}``).

@@ -527,7 +527,7 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
           control_socket: str, state_file: str | None = None, deadline_s: float = 30.0,
           metrics_port: int | None = None, readahead_bytes: int = 4 << 20, neighbor_bytes: int = 64 << 10,
           tiers: str | Sequence[str] = DEFAULT_TIERS, debug: bool = False, id_base: int = 0, fair: bool = True,
-          fair_share_cores: float = 0.2, env_cgroup: str = "weenv") -> None:
+          fair_share_cores: float = 0.2, env_cgroup: str = "weenv", tier_options: dict[str, str] | None = None) -> None:
     """Mount and serve until SIGTERM/SIGINT; always unmounts."""
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s envlet[%(process)d] %(levelname)s %(message)s")
@@ -541,7 +541,7 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
                     memory_cache_size_bytes=memory_cache_size_bytes, control_socket=control_socket,
                     state_file=state_file, deadline_s=deadline_s, readahead_bytes=readahead_bytes,
                     neighbor_bytes=neighbor_bytes, tiers=tiers, id_base=id_base, fair=fair,
-                    fair_share_cores=fair_share_cores, env_cgroup=env_cgroup)
+                    fair_share_cores=fair_share_cores, env_cgroup=env_cgroup, tier_options=tier_options)
     options = set(pyfuse3.default_options)
     options |= {"fsname=weenv-envlet", "subtype=weenv", "allow_other", "ro"}
     if debug:
