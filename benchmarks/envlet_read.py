@@ -115,6 +115,8 @@ def main() -> None:
             s = env.client.stats()
             report.notes.append(f"L2 hits {s['l2_hits']}, remote chunks {s['remote_chunks']}, "
                                 f"fuse reads {s['fuse_reads']}")
+            report.notes.append("tiers: " + ", ".join(f"{name} {t['hits']} hits ({t['hit_bytes'] >> 20} MiB)"
+                                                      for name, t in s.get("tiers", {}).items()))
         finally:
             env.stop()
     report.print()
