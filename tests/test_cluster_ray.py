@@ -310,6 +310,24 @@ def test_a_published_snapshot_forked_onto_node_c(rw):
         src.kill()
 
 
+def test_a_group_of_forks_spreads_when_the_home_node_cannot_take_them_all(rw):
+    c = rw.cluster
+    a = rw.node_names()[0]
+    src = c.create(rw.plan_bb, node=a, overrides={"cpu": "0.9-1"})  # a node (2 cores) guarantees two of these
+    kids = []
+    try:
+        src.exec("echo group-state > /root/state")
+        kids = src.fork(3)
+        nodes = [k.node for k in kids]
+        # the home takes what it admits (one more), the next best node the rest, through the store
+        assert nodes[0] == a and nodes.count(a) == 1 and len(set(nodes)) == 2, nodes
+        assert all(k.exec("cat /root/state").stdout.decode() == "group-state\n" for k in kids)
+    finally:
+        for k in kids:
+            k.kill()
+        src.kill()
+
+
 def test_a_restarted_gateway_rebuilds_routing_from_node_reports(rw):
     import weenv.cluster as wc
 
