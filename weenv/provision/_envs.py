@@ -783,7 +783,7 @@ class EnvManager:
                     log.warning("env %s: commit: no snapshot tree (envs from the snapshot read it through the "
                                 "envlet, nodev): %s", env_id, e)
 
-            self._trees_in_progress.add(tree_tmp)
+            self._trees_in_progress.update((tree_tmp, tmp))  # gc leaves both alone meanwhile
             try:
                 if froze:
                     await trio.to_thread.run_sync(cg.freeze)
@@ -799,7 +799,7 @@ class EnvManager:
                 if copied:
                     copied = await trio.to_thread.run_sync(_install_tree, tree_tmp, tree)
             finally:
-                self._trees_in_progress.discard(tree_tmp)
+                self._trees_in_progress.difference_update((tree_tmp, tmp))
                 if os.path.lexists(tree_tmp):
                     await trio.to_thread.run_sync(lambda: shutil.rmtree(tree_tmp, ignore_errors=True))
         layer = SnapshotLayer(digest=res.digest, size=res.size, toc_digest=res.toc_digest)
@@ -930,7 +930,11 @@ class EnvManager:
                     self.cgroups[env_id] = cg
                     self.monitor.add(env_id, cg, env_limits(self.lock_of(rec)), adopt=True)
                     if await trio.to_thread.run_sync(cg.is_frozen):
-                        rec.status = "paused"
+                        if rec.status == "running":  # frozen by a commit or fork the crash cut short
+                            log.warning("env %s: frozen by a commit cut short by the restart: thawed", env_id)
+                            await trio.to_thread.run_sync(cg.thaw)
+                        else:
+                            rec.status = "paused"
                     if self.net is not None:
                         await self.net.adopt(env_id, _state.env_dir(self.envs_dir, env_id))
                     self.envs[env_id] = rec
@@ -991,7 +995,22 @@ class EnvManager:
         used = {self.tree_path(layer.digest) for snap in self.snapshots.list() for layer in snap.layers}
         used |= {self.tree_path(x["digest"]) for env in self.envs.values() for x in env.snapshot_layers}
         out["trees"] = await trio.to_thread.run_sync(self._gc_trees, used | self._trees_in_progress)
+        out["temps"] = await trio.to_thread.run_sync(self._gc_commit_temps)
         return out
+
+    def _gc_commit_temps(self) -> list[str]:
+        """Remove the store's ``.commit-*`` files of commits cut short (a daemon killed mid-commit)."""
+        blobs = os.path.join(self._layout().root, "blobs", "sha256")
+        removed = []
+        for name in os.listdir(blobs) if os.path.isdir(blobs) else ():
+            path = os.path.join(blobs, name)
+            if name.startswith(".commit-") and path not in self._trees_in_progress:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                removed.append(name)
+        return removed
 
     def _gc_fork_snapshots(self) -> list[str]:
         """Delete the snapshots made by fork that no env started from any more (commit and build
