@@ -486,3 +486,26 @@ def test_conformance_lifecycle_on_gvisor(gvisor_harness):
         assert await rt.list() == []
 
     run(main)
+
+
+def test_daemon_sigkill_then_restart_readopts_gvisor_envs(daemon, tmp_path, gvisor_platform):
+    from weenv.testing import leftovers
+
+    lock = _gvisor_lock(daemon, tmp_path)
+    with daemon.client() as c:
+        live = c.create(lock)
+        live.exec(["sh", "-c", "echo kept > /tmp/state"])
+        paused = c.create(lock)
+        paused.pause()
+    daemon.kill9()
+    daemon.start()
+    with daemon.client() as c:
+        assert {e["id"]: e["status"] for e in c.list()} == {live.id: "running", paused.id: "paused"}
+        env = c.get(live.id)
+        assert env.exec(["cat", "/tmp/state"]).stdout == b"kept\n"
+        assert _in_gvisor(env)
+        c.get(paused.id).resume()
+        assert c.get(paused.id).exec(["true"]).exit_code == 0
+        env.kill()
+        c.get(paused.id).kill()
+    assert leftovers(daemon) == []

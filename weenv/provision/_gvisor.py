@@ -182,6 +182,20 @@ def gvisor_spec(spec: Mapping, rootfs: str) -> dict:
     return spec
 
 
+def _sandbox_alive(pid: int, state_dir: str) -> bool:
+    """The sandbox process ``pid`` runs (not a zombie) and is one of ours (a reused pid is not)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            st = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return False
+    return st[st.rindex(b")") + 2:][:1] not in (b"Z", b"X") and os.fsencode(state_dir) in cmd
+
+
 def _ps_table(out: bytes) -> dict[int, int]:
     """pid -> ppid from ``runsc ps`` (a table: UID PID PPID C TTY STIME TIME CMD; its json
     format holds only pids)."""
@@ -510,12 +524,43 @@ class GvisorRuntime(CrunRuntime):
             if pidfd >= 0:
                 os.close(pidfd)
 
+    # state and list read runsc's state files instead of running runsc: `runsc state` asks the
+    # sandbox over its control socket, and a sandbox frozen by the freezer (a paused env, or one a
+    # commit froze) never answers, so a daemon re-adopting a paused env hung for good.
+
+    def _state_file(self, env_id: str) -> str:
+        return os.path.join(self.state_dir, f"{env_id}_sandbox:{env_id}.state")
+
+    def _read_state(self, path: str, env_id: str) -> ContainerState:
+        try:
+            with open(path, "rb") as f:
+                d = json.loads(f.read())
+        except FileNotFoundError:
+            raise ContainerNotFoundError("no such container", env_id=env_id) from None
+        except (OSError, ValueError) as e:
+            raise ContainerError("runsc's state file cannot be read", env_id=env_id, detail=f"{path}: {e}") from None
+        pid = int((d.get("sandbox") or {}).get("pid") or 0)
+        status = d.get("status", "unknown")
+        if status in ("created", "running", "paused") and not _sandbox_alive(pid, self.state_dir):
+            status = "stopped"
+        return ContainerState(id=d.get("id", env_id), pid=pid, status=status, bundle=d.get("bundleDir", ""),
+                              created=d.get("createdAt", ""))
+
+    async def state(self, env_id: str) -> ContainerState:
+        await trio.lowlevel.checkpoint()
+        return self._read_state(self._state_file(env_id), env_id)
+
     async def list(self) -> list[ContainerState]:
-        out = await self._crun("list", "--format=json")
-        return [
-            ContainerState(id=d["id"], pid=d.get("pid", 0), status=d["status"], bundle=d.get("bundle", ""), created=d.get("created", ""))
-            for d in (json.loads(out or b"[]") or ())
-        ]
+        await trio.lowlevel.checkpoint()
+        out = []
+        for name in sorted(os.listdir(self.state_dir)):
+            cid, sep, rest = name.partition("_sandbox:")
+            if sep and rest == f"{cid}.state":  # a root container (one env, one sandbox)
+                try:
+                    out.append(self._read_state(os.path.join(self.state_dir, name), cid))
+                except ContainerNotFoundError:
+                    continue  # deleted meanwhile
+        return out
 
 
 # -- the router ------------------------------------------------------------------------------------
