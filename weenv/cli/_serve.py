@@ -71,6 +71,7 @@ def template_set(name: str, target: str) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @errors_to_exit(ValueError, OSError)
 def template_ls(as_json: bool) -> None:
+    """The template names and what each starts."""
     templates = _store().list()
     if as_json:
         print_json(templates)
@@ -88,6 +89,7 @@ def template_ls(as_json: bool) -> None:
 @click.argument("name")
 @errors_to_exit(ValueError, OSError)
 def template_rm(name: str) -> None:
+    """Forget a template name (its lock file or snapshot stays)."""
     _store().remove(name)
     click.echo(f"weenv: template {name!r} removed", err=True)
 
