@@ -413,3 +413,47 @@ def test_daemon_sigkill_during(private_daemon, op) -> None:  # type: ignore[no-u
         c.gc()
         assert _half_made(d, c) == []
     assert leftovers(d) == []
+
+
+def test_commit_on_a_full_home_fails_clearly_and_leaves_nothing(private_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The daemon's home (store, snapshot trees, envlet cache) on a 160 MiB tmpfs filled to 4 MiB free:
+    a commit of 24 MB fails with an error naming the full disk, the env runs on (thawed), no snapshot
+    or half-written blob or tree is left; with room again the same commit works."""
+    home = tmp_path / "home"
+    home.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(home)], check=True)
+    try:
+        d = private_daemon(home=str(home))
+        with d.client(timeout_s=120) as c, c.create(d.plan_lock) as env:
+            assert env.exec(["sh", "-c", "head -c 24000000 /dev/urandom > /tmp/fill && echo ok"]).stdout == b"ok\n"
+            st = os.statvfs(home)
+            filler = home / "filler"
+            with open(filler, "wb") as fh:
+                left = st.f_bavail * st.f_frsize - (4 << 20)
+                while left > 0:
+                    left -= fh.write(b"\0" * min(left, 8 << 20))
+            from weenv import ApiError
+
+            with pytest.raises(ApiError) as ei:
+                env.commit()
+            assert "No space left" in str(ei.value) or "ENOSPC" in str(ei.value), ei.value
+            r = env.exec(["sh", "-c", "echo alive > /tmp/a && cat /tmp/a"], timeout_s=20)
+            assert r.stdout == b"alive\n" and not r.timed_out, r
+            assert c.snapshots() == []
+            c.gc()
+            assert _half_made(d, c) == []
+            filler.unlink()
+            snap = env.commit()
+            with c.create(snap) as child:
+                assert child.exec(["wc", "-c", "/tmp/fill"]).stdout.split()[0] == b"24000000"
+            c.delete_snapshot(snap)
+    finally:
+        pass  # the fixture tears the daemon down (and empties the home) after the test; then the unmount
+
+
+@pytest.fixture(autouse=True)
+def _unmount_tmpfs_homes(tmp_path):  # type: ignore[no-untyped-def]
+    yield
+    home = tmp_path / "home"
+    if os.path.ismount(home):
+        subprocess.run(["umount", "-l", str(home)], capture_output=True)

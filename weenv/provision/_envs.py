@@ -7,6 +7,7 @@ partial state, so nothing (mount, cgroup, process, layer reference, directory) o
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from ._errors import (
     CgroupError,
     CgroupNotFoundError,
     ContainerNotFoundError,
+    EnvError,
     EnvNotFoundError,
     EnvStartError,
     EnvStateError,
@@ -791,6 +793,13 @@ class EnvManager:
                     async with trio.open_nursery() as n:
                         n.start_soon(copy_tree)
                         res = await trio.to_thread.run_sync(seal)
+                except BaseExceptionGroup as eg:  # the nursery's group of one: its error, said plainly
+                    err = eg.exceptions[0] if len(eg.exceptions) == 1 else eg
+                    if isinstance(err, OSError):
+                        full = " (the disk of $WEENV_HOME is full)" if err.errno == errno.ENOSPC else ""
+                        raise EnvError(f"commit: writing the snapshot layer failed: {err}{full}",
+                                       env_id=env_id) from err
+                    raise err from None
                 finally:
                     if froze:
                         with trio.CancelScope(shield=True):
