@@ -226,3 +226,37 @@ def test_a_storm_from_one_cgroup_is_held_to_its_share_and_every_request_is_count
     # 0.05 cores / 2 envs at ~35 µs a lookup: ~700/s, plus the burst; unfair, thousands
     assert rates[True] < 1500, rates
     assert rates[False] > 2 * rates[True], rates
+
+
+def test_real_envs_requests_are_charged_to_their_env_ids(tmp_path, monkeypatch, require_root_fuse):  # type: ignore[no-untyped-def]
+    # a private daemon whose lowers stay on the envlet (no layer trees): its envlet is told the
+    # daemon's cgroup root, and each env's lookups, opens and reads land on that env's id
+    import os
+    import tempfile
+
+    from weenv.envlet import EnvletClient
+    from weenv.testing import DaemonHandle, busybox_plan, teardown_private_daemon
+
+    home = tempfile.mkdtemp(prefix="weenv-fair-")
+    toml, lock = busybox_plan(home, "bb")
+    monkeypatch.setenv("WEENV_HOME", home)
+    monkeypatch.setenv("WEENV_LAYER_TREES_AFTER", "0")
+    d = DaemonHandle(home, os.path.join(home, "run", "weenv.sock"), f"weenv-fair-{os.getpid()}", lock, toml,
+                     os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
+    d.start()
+    try:
+        with d.client() as c:
+            a, b = c.create(lock), c.create(lock)
+            before = EnvletClient(os.path.join(home, "run", "envlet.sock")).stats()["envs"]
+            r = a.exec(["sh", "-c", "ls -lR /bin /etc >/dev/null && cat /etc/passwd >/dev/null && stat /nx-a"])
+            assert r.exit_code != 0 and b"nx-a" in r.stderr  # the missing name was looked up
+            assert b.exec(["cat", "/etc/group"]).exit_code == 0
+            envs = EnvletClient(os.path.join(home, "run", "envlet.sock")).stats()["envs"]
+            ra, rb = envs[a.id]["requests"], envs[b.id]["requests"]
+            ra0 = before.get(a.id, {}).get("requests", dict.fromkeys(ra, 0))
+            assert ra["lookup"] > ra0["lookup"] and ra["readdir"] > ra0["readdir"], (ra0, ra)
+            assert rb["lookup"] + rb["getattr"] + rb["open"] > 0, rb
+            assert envs[a.id]["busy_s"] > envs[b.id]["busy_s"]  # a did much more
+    finally:
+        left = teardown_private_daemon(d)
+        assert not left, left

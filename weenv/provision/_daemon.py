@@ -226,7 +226,8 @@ class Daemon:
         return EnvletProcess(os.path.join(c.home, "envlet", "mnt"), os.path.join(c.home, "envlet", "cache"),
                              self.envlet_socket, cache_size_bytes=c.envlet_cache_size_bytes,
                              memory_cache_size_bytes=c.envlet_memory_cache_size_bytes,
-                             deadline_s=c.envlet_deadline_s, id_base=self._id_base)
+                             deadline_s=c.envlet_deadline_s, id_base=self._id_base,
+                             env_cgroup=c.cgroup_root)  # the envlet charges requests to the envs' groups
 
     def _trees_for_ids(self) -> None:
         """Drop layer and snapshot trees written for other host ids (--userns changed) before they
