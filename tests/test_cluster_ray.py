@@ -260,6 +260,9 @@ def test_an_env_whose_plan_is_cached_on_b_lands_on_b(rw):
         env = c.create(rw.plan_bt)
         assert env.node == b
         assert env.exec("wc -c < /task/data.bin").stdout.decode().strip() == str(256 << 10)
+        env.write_file("/root/in.txt", b"through the agent\n", mode=0o600)
+        assert env.read_file("/root/in.txt") == b"through the agent\n"
+        assert env.exec("stat -c %a /root/in.txt").stdout.decode().strip() == "600"
         env.kill()
     finally:
         busy.kill()

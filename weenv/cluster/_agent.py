@@ -81,6 +81,8 @@ class NodeAgent:
         own = token_digest(_node_token(self.home))
         self._token = own or token_sha256
         self.socket = os.path.join(self.home, "run", "weenv.sock")
+        # the node's TCP API when it serves one (weenv serve; $WEENV_NODE_API_URL), else its socket
+        self.api_url = os.environ.get("WEENV_NODE_API_URL") or f"unix://{self.socket}"
         self.report_interval_s = report_interval_s
         self._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), base_url="http://weenv",
                                   timeout=httpx.Timeout(30.0, connect=5.0))
@@ -199,7 +201,7 @@ class NodeAgent:
             self._seq += 1
             self._report = NodeReport(
                 node=self.node, ray_node_id=self.ray_node_id, seq=self._seq, taken_s=time.time(), healthy=healthy,
-                accepting=healthy, problem=problem, home=self.home, daemon_address=f"unix://{self.socket}",
+                accepting=healthy, problem=problem, home=self.home, daemon_address=self.api_url,
                 daemon_pid=self.daemon_pid, capacity=capacity, layers=list(layers.values()), snapshots=snaps,
                 envs=envs)
 

@@ -250,6 +250,7 @@ class Cluster:
                                      on_lost=self._on_lost)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sync_thread: threading.Thread | None = None
         self._view: tuple[tuple[tuple[str, int, float], ...], ClusterView] | None = None
 
     # ------------------------------------------------------------------ agents
@@ -289,19 +290,25 @@ class Cluster:
         self.sync_nodes()
         self._thread = threading.Thread(target=self._run, name="weenv-cluster-reconciler", daemon=True)
         self._thread.start()
+        # joining nodes waits for their agents (and daemons) to start: never inside the tick
+        self._sync_thread = threading.Thread(target=self._sync, name="weenv-cluster-nodes", daemon=True)
+        self._sync_thread.start()
         return self
 
     def _run(self) -> None:
-        next_sync = time.monotonic() + self.node_sync_s
         while not self._stop.wait(self.tick_s):
             try:
                 with self._lock:
                     self.reconciler.tick()
-                if time.monotonic() >= next_sync:
-                    next_sync = time.monotonic() + self.node_sync_s
-                    self.sync_nodes()
             except Exception:
                 log.exception("cluster reconcile tick failed")
+
+    def _sync(self) -> None:
+        while not self._stop.wait(self.node_sync_s):
+            try:
+                self.sync_nodes()
+            except Exception:
+                log.exception("cluster node sync failed")
 
     def wait_ready(self, timeout_s: float = 60.0, *, nodes: int | None = None) -> None:
         """Wait until every known node reported once (or was lost), and at least ``nodes`` are healthy."""
@@ -317,8 +324,9 @@ class Cluster:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
+        for thread in (self._thread, self._sync_thread):
+            if thread is not None:
+                thread.join(10)
 
     def __enter__(self) -> "Cluster":
         return self
