@@ -104,7 +104,7 @@ def main() -> None:
                p99=percentile(rtts["gvisor"], 99) * 1000, baseline=r50, baseline_label="crun")
     report.add("crun: kill", median(kills["crun"]) * 1000, "ms", p99=percentile(kills["crun"], 99) * 1000)
     report.add("gVisor: kill", median(kills["gvisor"]) * 1000, "ms", p99=percentile(kills["gvisor"], 99) * 1000,
-               note="runsc delete polls until the sandbox is reaped; it is an orphan, reaped by PID 1")
+               note="sandbox and gofer killed and exited; runsc delete (it waits for PID 1 to reap) runs after")
     for name in locks:
         report.series[f"{name}_start_ms"] = [x * 1000 for x in starts[name]]
         report.series[f"{name}_exec_ms"] = [x * 1000 for x in rtts[name]]

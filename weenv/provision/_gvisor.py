@@ -247,6 +247,7 @@ class GvisorRuntime(CrunRuntime):
                       # more runsc flags for debugging, e.g. "--debug --debug-log=/tmp/runsc/" or "--strace"
                       *shlex.split(os.environ.get("WEENV_RUNSC_FLAGS", ""))]
         self._exec_pid_files: dict[int, tuple[str, str]] = {}  # runsc exec's pid -> (env, in-sandbox pid file)
+        self._deleting: set[str] = set()  # killed, runsc delete still polling for the reap
         self._known: dict[str, tuple[int, dict]] = {}
         self._started: set[str] = set()
         self._agents: dict[str, tuple[str, User]] = {}  # always empty: no agent under gVisor
@@ -299,7 +300,7 @@ class GvisorRuntime(CrunRuntime):
             raise ContainerError("gVisor envs have no in-env agent (runsc cannot pass it a socket)", env_id=env_id)
         # runsc itself, given an id it already has, fails and takes the existing container's state
         # with it (its sandbox left running with nothing to find it by): refuse before it runs.
-        if env_id in self._known or os.path.exists(os.path.join(self.state_dir, f"{env_id}_sandbox:{env_id}.state")):
+        if env_id in self._known or env_id in self._deleting or os.path.exists(self._state_file(env_id)):
             raise ContainerExistsError("a container with this id already exists", env_id=env_id)
         spec = gvisor_spec(spec, rootfs)
         platform = await self.ensure_platform()
@@ -498,31 +499,64 @@ class GvisorRuntime(CrunRuntime):
         await self._crun("kill", env_id, str(int(sig)), env_id=env_id)
 
     async def delete(self, env_id: str, force: bool = True) -> None:
-        known = self._known.pop(env_id, None)
+        """Kill the sandbox and its gofer and return once both have exited (the env's files and
+        mounts are free then); ``runsc delete`` removes runsc's state afterwards, in the
+        background: it polls until the dead sandbox is *reaped*, and its reaper is PID 1 (an
+        orphan), which on this VM reaps every ~2 s. Until it is done the env is already gone for
+        :meth:`state` and :meth:`list`."""
+        self._known.pop(env_id, None)
         self._started.discard(env_id)
-        pid = known[0] if known else 0
-        if pid <= 0:
-            try:
-                pid = (await self.state(env_id)).pid
-            except ContainerNotFoundError:
-                return
-        pidfd = -1
-        if pid > 0:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except OSError:
-                pidfd = -1
+        if env_id in self._deleting:
+            return
         try:
-            try:
-                await self._crun("delete", *(["--force"] if force else []), env_id, env_id=env_id)
-            except ContainerNotFoundError:
-                return
-            if pidfd >= 0:
-                with trio.move_on_after(self.kill_grace_s):
-                    await trio.lowlevel.wait_readable(pidfd)
+            st = await self.state(env_id)
+        except ContainerNotFoundError:
+            return
+        if not force and st.status in ("running", "paused"):
+            raise ContainerError("container is running (delete with force=True)", env_id=env_id)
+        pids = [st.pid, self._gofer_pid(env_id)]
+        pidfds = []
+        try:
+            for pid in pids:
+                if pid > 0 and _sandbox_alive(pid, self.state_dir):
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except OSError:
+                        continue
+                    pidfds.append(fd)
+                    if _sandbox_alive(pid, self.state_dir):  # still ours now that the pidfd pins it
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+            with trio.move_on_after(self.kill_grace_s):
+                for fd in pidfds:
+                    await trio.lowlevel.wait_readable(fd)
         finally:
-            if pidfd >= 0:
-                os.close(pidfd)
+            for fd in pidfds:
+                os.close(fd)
+        self._deleting.add(env_id)
+        if not pidfds:  # dead before we came (a leftover): no reap to wait for, or it is long done
+            await self._remove_state(env_id)
+            return
+        trio.lowlevel.spawn_system_task(self._remove_state, env_id, name=f"runsc delete {env_id}")
+
+    def _gofer_pid(self, env_id: str) -> int:
+        try:
+            with open(self._state_file(env_id), "rb") as f:
+                return int(json.loads(f.read()).get("goferPid") or 0)
+        except (OSError, ValueError):
+            return 0
+
+    async def _remove_state(self, env_id: str) -> None:
+        try:
+            await self._crun("delete", "--force", env_id, env_id=env_id)
+        except ContainerNotFoundError:
+            pass
+        except BaseException as e:  # a system task must not raise; cancelled at the run's end, the
+            # state stays and the next list() shows the env "stopped" for gc to delete again
+            if not isinstance(e, (Exception, trio.Cancelled)):
+                raise
+            log.warning("env %s: runsc delete did not finish: %s", env_id, e)
+        finally:
+            self._deleting.discard(env_id)
 
     # state and list read runsc's state files instead of running runsc: `runsc state` asks the
     # sandbox over its control socket, and a sandbox frozen by the freezer (a paused env, or one a
@@ -548,6 +582,8 @@ class GvisorRuntime(CrunRuntime):
 
     async def state(self, env_id: str) -> ContainerState:
         await trio.lowlevel.checkpoint()
+        if env_id in self._deleting:
+            raise ContainerNotFoundError("no such container (being deleted)", env_id=env_id)
         return self._read_state(self._state_file(env_id), env_id)
 
     async def list(self) -> list[ContainerState]:
@@ -555,7 +591,7 @@ class GvisorRuntime(CrunRuntime):
         out = []
         for name in sorted(os.listdir(self.state_dir)):
             cid, sep, rest = name.partition("_sandbox:")
-            if sep and rest == f"{cid}.state":  # a root container (one env, one sandbox)
+            if sep and rest == f"{cid}.state" and cid not in self._deleting:  # a root container: one env, one sandbox
                 try:
                     out.append(self._read_state(os.path.join(self.state_dir, name), cid))
                 except ContainerNotFoundError:
