@@ -88,6 +88,14 @@ def _sandbox_pids(runtime) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 # -- platform probe ------------------------------------------------------------------------
 
 
@@ -478,6 +486,11 @@ def test_conformance_lifecycle_on_gvisor(gvisor_harness):
         assert [s.id for s in await rt.list()] == ["c1"]
         with pytest.raises(ContainerExistsError):
             await gvisor_harness.create("c1")
+        await gvisor_harness.create("c3")
+        t0 = time.monotonic()
+        await rt.delete("c3")  # running: killed, and back once sandbox and gofer exited
+        assert time.monotonic() - t0 < 1.0  # not after runsc delete's wait for PID 1 to reap (~2 s here)
+        assert not [p for p in _sandbox_pids(rt) if _cmdline(p).endswith(b"\0c3\0") or b"bundle-c3" in _cmdline(p)]  # its sandbox and gofer are gone
         await rt.kill("c1", 9)
         with trio.fail_after(10):
             while (await rt.state("c1")).status != "stopped":
