@@ -15,10 +15,6 @@ import os
 # is a single-host cluster; its raylets get node_ip_address=127.0.0.1 below. Set before Ray is imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -57,66 +53,6 @@ def _publish_plans(host: str, work: Path) -> tuple[dict, dict]:
     return plans[0], plans[1]
 
 
-def _gone(pid: int) -> bool:
-    """Exited (a zombie its parent, the node agent, has not reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _stop_node_daemon(home: str, cgroup_root: str) -> list[str]:
-    """Kill the node's envs, stop its daemon and envlet, unmount, remove its cgroups: what was left."""
-    import weenv
-    from weenv.envlet import EnvletClient
-    from weenv.provision.cgroups import detect_backend
-
-    sock = os.path.join(home, "run", "weenv.sock")
-    pid = None
-    try:
-        with weenv.Client(sock, autostart=False, timeout_s=60) as c:
-            pid = c.ping()["pid"]
-            for e in c.list():
-                try:
-                    c.get(e["id"]).kill()
-                except Exception:
-                    pass
-            c.gc()
-            c._request("POST", "/v1/daemon/stop", json={"kill_envs": True})
-    except Exception:
-        pass
-    if pid is not None:
-        for _ in range(400):
-            if _gone(pid):
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    try:
-        epid = EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"]
-        os.kill(epid, signal.SIGTERM)
-        for _ in range(200):
-            if _gone(epid):
-                break
-            time.sleep(0.05)
-    except Exception:
-        pass
-    subprocess.run(["fusermount3", "-u", "-z", os.path.join(home, "envlet", "mnt")], capture_output=True)
-    left = []
-    with open("/proc/self/mountinfo") as f:
-        left += [f"mount {line.split()[4]}" for line in f if line.split()[4].startswith(home)]
-    try:
-        detect_backend(cgroup_root).remove_parent()
-    except Exception:
-        pass
-    for hier in ("memory", "cpu", "pids", "freezer", "cpuacct"):
-        for dirpath, _, _ in os.walk(f"/sys/fs/cgroup/{hier}"):
-            if os.path.basename(dirpath) == cgroup_root:
-                left.append(f"cgroup {dirpath}")
-    return left
-
-
 class RayWeenv:
     def __init__(self, ray_cluster, cluster, homes, roots, plan_bb, plan_bt, registry_host):
         self.ray_cluster, self.cluster, self.homes, self.roots = ray_cluster, cluster, homes, roots
@@ -127,54 +63,30 @@ class RayWeenv:
 
 
 @pytest.fixture(scope="module")
-def rw(registry):
+def rw(registry, tmp_path_factory):
     require_root()
     require_fuse()
     require_command("crun")
-    from ray.cluster_utils import Cluster as RayCluster
-
     import weenv.cluster as wc
+    from weenv.cluster import LocalCluster
 
     t0 = time.monotonic()
-    base = Path(tempfile.mkdtemp(prefix="wct-"))
-    plan_bb, plan_bt = _publish_plans(registry.host, base)
-    homes = [str(base / f"n{i}") for i in range(3)]
-    roots = [f"weenv-ct{os.getpid()}-{i}" for i in range(3)]
-
-    def node_args(i):
-        return {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 << 20,
-                "env_vars": {"WEENV_HOME": homes[i], "WEENV_CGROUP_ROOT": roots[i], "WEENV_AUTOSTART": "0"}}
-
-    old_tmp = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(base)  # Ray's session dirs and its address file go here, not /tmp/ray
-    ray_cluster = RayCluster(initialize_head=True, head_node_args={**node_args(0), "include_dashboard": False})
+    plan_bb, plan_bt = _publish_plans(registry.host, tmp_path_factory.mktemp("cluster-plans"))
+    local = LocalCluster(nodes=3)
     cluster = None
     try:
-        for i in (1, 2):
-            ray_cluster.add_node(**node_args(i))
-        ray.init(address=ray_cluster.address, _node_ip_address="127.0.0.1", namespace="weenv",
-                 include_dashboard=False, log_to_driver=False)
+        local.start()
         cluster = wc.connect(token=TOKEN, store=f"{registry.host}/ct/snaps", report_interval_s=0.5,
                              call_timeout_s=5.0, failure_threshold=3, wait_s=120)
         cluster.wait_ready(60, nodes=3)
         print(f"cluster of 3 nodes up in {time.monotonic() - t0:.1f} s")
-        yield RayWeenv(ray_cluster, cluster, homes, roots, plan_bb, plan_bt, registry.host)
+        yield RayWeenv(local, cluster, local.homes, local.cgroup_roots, plan_bb, plan_bt, registry.host)
     finally:
         if cluster is not None:
             cluster.close()
-        left = []
         t1 = time.monotonic()
-        for home, root in zip(homes, roots):
-            left += _stop_node_daemon(home, root)
-        t2 = time.monotonic()
-        ray.shutdown()
-        ray_cluster.shutdown()
-        print(f"teardown: daemons {t2 - t1:.1f} s, ray {time.monotonic() - t2:.1f} s")
-        if old_tmp is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old_tmp
-        shutil.rmtree(base, ignore_errors=True)
+        left = local.stop()
+        print(f"teardown: {time.monotonic() - t1:.1f} s")
         assert not left, f"the cluster tests left: {left}"
 
 

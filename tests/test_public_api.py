@@ -70,10 +70,10 @@ PUBLIC_API: dict[str, list[str]] = {
     "weenv.cluster": [
         "AgentError", "AgentHandle", "AsyncClusterClient", "AsyncClusterEnv", "Backend", "Capacity", "Choice",
         "Cluster", "ClusterAuthError", "ClusterEnv", "ClusterError", "ClusterView", "EnvHeld", "EnvLostError",
-        "LayerHeld", "NodeAgent", "NodeClient", "NodeEntry", "NodeLostError", "NodeReport", "NodeState",
-        "PendingCall", "PlacementError", "PlacementRequest", "Reconciler", "SnapshotHeld", "UnknownEnvError",
-        "agent_class", "agent_name", "capacity_from_top", "connect", "load_published", "node_name_for", "node_of",
-        "place", "place_group", "rank", "request_for"
+        "LayerHeld", "LocalCluster", "NodeAgent", "NodeClient", "NodeEntry", "NodeLostError", "NodeReport",
+        "NodeState", "PendingCall", "PlacementError", "PlacementRequest", "Reconciler", "SnapshotHeld",
+        "UnknownEnvError", "agent_class", "agent_name", "capacity_from_top", "connect", "load_published",
+        "node_name_for", "node_of", "place", "place_group", "rank", "request_for", "stop_node"
     ],
     "weenv.net": [
         "EgressPolicy", "Entry", "PolicyError", "parse_bandwidth", "parse_entry", "parse_policy",

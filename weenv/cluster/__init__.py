@@ -15,6 +15,7 @@ from ._errors import (
 )
 from ._aio import AsyncClusterClient, AsyncClusterEnv
 from ._agent import NodeAgent, agent_class, agent_name, load_published, node_name_for
+from ._local import LocalCluster, stop_node
 from ._cluster import Backend, Cluster, ClusterEnv, NodeClient, connect
 from ._placement import Choice, ClusterView, PlacementRequest, place, place_group, rank, request_for
 from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconciler
@@ -36,6 +37,7 @@ __all__ = [
     "EnvHeld",
     "EnvLostError",
     "LayerHeld",
+    "LocalCluster",
     "NodeAgent",
     "NodeClient",
     "NodeEntry",
@@ -59,4 +61,5 @@ __all__ = [
     "place_group",
     "rank",
     "request_for",
+    "stop_node",
 ]

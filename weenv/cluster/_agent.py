@@ -165,6 +165,7 @@ class NodeAgent:
         envs, snaps = [], []
         layers: dict[str, LayerHeld] = {}
         l2_capacity = None
+        fetched = 0
         try:
             ping = self._get("/v1/ping")
             self.daemon_pid = int(ping["pid"])
@@ -179,7 +180,9 @@ class NodeAgent:
 
             envlet = EnvletClient(os.path.join(self.home, "run", "envlet.sock"))
             registered = envlet.list()
-            l2_capacity = envlet.stats().get("l2_capacity_bytes")
+            stats = envlet.stats()
+            l2_capacity = stats.get("l2_capacity_bytes")
+            fetched = int(stats.get("remote_bytes", 0))
             self._note_layers([(x.digest, x.size) for x in registered])
             for x in registered:
                 layers[x.digest] = LayerHeld(digest=x.digest, size_bytes=x.size, where="envlet")
@@ -202,8 +205,8 @@ class NodeAgent:
             self._report = NodeReport(
                 node=self.node, ray_node_id=self.ray_node_id, seq=self._seq, taken_s=time.time(), healthy=healthy,
                 accepting=healthy, problem=problem, home=self.home, daemon_address=self.api_url,
-                daemon_pid=self.daemon_pid, capacity=capacity, layers=list(layers.values()), snapshots=snaps,
-                envs=envs)
+                daemon_pid=self.daemon_pid, store_bytes_fetched=fetched, capacity=capacity,
+                layers=list(layers.values()), snapshots=snaps, envs=envs)
 
     # ------------------------------------------------------------------ calls (all but hello need the token)
 
