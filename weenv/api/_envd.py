@@ -560,8 +560,10 @@ async def rpc(request: Request) -> Response:
         except (ConnectError, ValueError) as e:
             err = e if isinstance(e, ConnectError) else ConnectError(Code.INVALID_ARGUMENT, str(e))
             return _stream_error_response(err)
-        timeout_ms = request.headers.get("connect-timeout-ms")
-        deadline = time.monotonic() + int(timeout_ms) / 1000 if timeout_ms and timeout_ms.isdigit() else None
+        timeout_ms = request.headers.get("connect-timeout-ms") or ""
+        # Connect: at most 10 ASCII digits (isdigit() alone takes a latin-1 '²'; 400 digits overflow a float)
+        deadline = (time.monotonic() + int(timeout_ms) / 1000
+                    if timeout_ms.isascii() and timeout_ms.isdigit() and len(timeout_ms) <= 10 else None)
         return StreamingResponse(_stream(stream(view, req, max(1.0, keepalive)), deadline), 200,
                                  media_type=STREAM_CONTENT_TYPE)
     if name in NOT_YET:
