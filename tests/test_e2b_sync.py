@@ -250,9 +250,89 @@ def test_timeout_pauses_with_lifecycle_pause(served: Served) -> None:
         s.kill()
 
 
-def test_background_command_while_its_stream_is_open(sbx) -> None:  # type: ignore[no-untyped-def]
+def test_background_command_kill_list_connect(sbx) -> None:  # type: ignore[no-untyped-def]
+    import time
+
     handle = sbx.commands.run("sleep 0.3; echo later", background=True)
     result = handle.wait()
     assert result.exit_code == 0 and result.stdout == "later\n"
-    with pytest.raises(e2b.SandboxException, match="UNIMPLEMENTED"):
-        sbx.commands.list()
+    h = sbx.commands.run("sleep 1; echo first; sleep 60", background=True)
+    assert h.pid > 1
+    h.disconnect()  # as envd: the command runs on without its stream
+    listed = {p.pid: p for p in sbx.commands.list()}
+    assert h.pid in listed and listed[h.pid].args[-1] == "sleep 1; echo first; sleep 60"
+    time.sleep(1.5)
+    assert h.pid in {p.pid for p in sbx.commands.list()}
+    again = sbx.commands.connect(h.pid)
+    assert sbx.commands.kill(h.pid) is True
+    with pytest.raises(e2b.CommandExitException) as err:
+        again.wait()
+    assert err.value.exit_code == -1 and "first" in err.value.stdout  # what nobody read while disconnected
+    assert h.pid not in {p.pid for p in sbx.commands.list()}
+    assert sbx.commands.kill(h.pid) is False  # gone: the SDK's "not found"
+    assert sbx.commands.kill(999_999) is False
+
+
+def test_send_stdin_and_close(sbx) -> None:  # type: ignore[no-untyped-def]
+    h = sbx.commands.run("read a; echo got:$a; cat", background=True, stdin=True)
+    sbx.commands.send_stdin(h.pid, "one\n")
+    h.send_stdin("two\n")
+    sbx.commands.close_stdin(h.pid)
+    out = h.wait()
+    assert out.stdout == "got:one\ntwo\n"
+    plain = sbx.commands.run("sleep 30", background=True)  # stdin off: nothing to send to
+    with pytest.raises(e2b.SandboxException):
+        sbx.commands.send_stdin(plain.pid, "x")
+    plain.kill()
+
+
+def test_command_timeout_kills_it_without_its_stream(sbx) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    h = sbx.commands.run("sleep 30", background=True, timeout=1)
+    h.disconnect()
+    deadline = time.monotonic() + 10
+    while h.pid in {p.pid for p in sbx.commands.list()}:
+        assert time.monotonic() < deadline, "the command outlived its timeout by 9 s"
+        time.sleep(0.1)
+
+
+def test_pty(sbx) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    term = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.send_stdin(term.pid, b"stty size; echo $TERM; tty\n")
+    got = bytearray()
+    deadline = time.monotonic() + 10
+    resized = False
+    for _out, _err, pty in term:
+        if pty is not None:
+            got += pty
+        if not resized and b"/dev/pts/" in got:  # the first line ran: now a new size, and the end
+            sbx.pty.resize(term.pid, PtySize(rows=40, cols=100))
+            sbx.pty.send_stdin(term.pid, b"stty size; exit 0\n")
+            resized = True
+        assert time.monotonic() < deadline
+    text = got.decode(errors="replace")
+    assert "24 80" in text and "40 100" in text and "xterm-256color" in text and "/dev/pts/" in text, text
+    other = sbx.pty.create(PtySize(rows=10, cols=20))
+    assert sbx.pty.kill(other.pid) is True
+    with pytest.raises(e2b.CommandExitException):
+        other.wait()
+
+
+def test_slime_sandbox_pattern(sbx) -> None:  # type: ignore[no-untyped-def]
+    """slime's E2B sandbox: a detached command writing a marker file, polled until it is there
+    (exec_and_wait), then its output read back."""
+    import time
+
+    sbx.commands.run("(sleep 0.5; echo result > /tmp/out.txt; echo $? > /tmp/done.marker) >/dev/null 2>&1 &",
+                     background=True).disconnect()
+    deadline = time.monotonic() + 15
+    while not sbx.files.exists("/tmp/done.marker"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert sbx.files.read("/tmp/done.marker").strip() == "0"
+    assert sbx.commands.run("cat /tmp/out.txt").stdout == "result\n"

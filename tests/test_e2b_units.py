@@ -115,6 +115,8 @@ def test_gate_routes_and_refuses(home: str) -> None:
     assert app.state.metrics.auth_failures.labels("envd", "wrong_token")._value.get() == 1
     assert _call(app, "GET", "/health", headers={**base}).status_code == 502  # the daemon knows no e-1
     r = _call(app, "POST", "/process.Process/SendSignal", json={}, headers=base)
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument" and "pid or a tag" in r.json()["message"]
+    r = _call(app, "POST", "/process.Process/NoSuch", json={}, headers=base)
     assert r.status_code == 501 and r.json()["code"] == "unimplemented"
 
 

@@ -219,7 +219,9 @@ def create_app(backend: Backend | None = None, *, domain: str | None = None, hom
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_e2b.pause_reaper, state)
+            state.tasks = tg
             yield
+            state.tasks = None
             tg.cancel_scope.cancel()
         await state.backend.aclose()
 

@@ -38,6 +38,9 @@ class ApiState:
     metrics: ApiMetrics
     domain: str | None = None
     watchers: dict[str, Any] = field(default_factory=dict)
+    tasks: Any = None
+    """The server's task group (its lifespan), for work that outlives a request: command deadlines."""
+    kill_timers: int = 0
 
 
 class HttpError(Exception):

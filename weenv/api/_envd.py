@@ -34,8 +34,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .._client import ApiError as DaemonError
-from .._client import AsyncClient, DaemonUnavailableError
-from ._common import ApiState, HttpError, daemon_errors, read_body, relay, state_of
+from .._client import AsyncClient, AsyncEnv, AsyncProcess, DaemonUnavailableError, WeenvError
+from .._wire import ProcessEnd
+from ._common import ApiState, HttpError, daemon_errors, log, read_body, relay, state_of
 from ._connect import (STREAM_CONTENT_TYPE, UNARY_CONTENT_TYPE, Code, ConnectError, EnvelopeReader, FramingError,
                        code_for_http_status, end_stream, envelope, error_body)
 
@@ -88,20 +89,6 @@ class WatcherRequest(_Message):
     """GetWatcherEvents, RemoveWatcher."""
 
     watcher_id: str = ""
-
-
-class ProcessConfig(_Message):
-    cmd: str = ""
-    args: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
-    envs: dict[str, str] = {}
-    cwd: str | None = None
-
-
-class StartRequest(_Message):
-    process: ProcessConfig | None = None
-    pty: dict[str, Any] | None = None
-    tag: str | None = None
-    stdin: bool | None = None
 
 
 # -- the env, through the daemon ----------------------------------------------------------------
@@ -413,67 +400,301 @@ async def _has_bash(view: EnvView) -> bool:
     return found
 
 
-# -- process.Process (foreground Start on the daemon's streamed exec) ---------------------------
+# -- process.Process (on the daemon's process handles) --------------------------------------------
+#
+# As envd: every Start is a process of its own (a daemon process handle), which runs on when its
+# stream closes (the SDK's disconnect(), a client that goes away) and is killed (with its session)
+# when the call's Connect-Timeout-Ms passes, stream or no stream. ``connect`` reattaches; a
+# finished process is no longer listed, and signals or input for it are NOT_FOUND.
 
 
-async def proc_start(view: EnvView, req: StartRequest, keepalive_s: float) -> AsyncIterator[dict[str, Any]]:
-    """A command to its end: start (the pid is a made-up one: weenv's exec has no handle yet),
-    its output as it comes, then its end. Background commands, stdin and signals need the
-    daemon's process handles (not yet)."""
+class ProcessSelector(_Message):
+    pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)] | None = None
+    tag: str | None = None
+
+
+class ProcessInput(_Message):
+    stdin: bytes | None = None
+    pty: bytes | None = None
+
+
+class PtySizeMessage(_Message):
+    cols: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    rows: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+
+
+class PtyMessage(_Message):
+    size: PtySizeMessage | None = None
+
+
+class ProcessConfig(_Message):
+    cmd: str = ""
+    args: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
+    envs: dict[str, str] = {}
+    cwd: str | None = None
+
+
+class StartRequest(_Message):
+    process: ProcessConfig | None = None
+    pty: PtyMessage | None = None
+    tag: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    stdin: bool | None = None
+
+
+class SelectRequest(_Message):
+    """Connect, CloseStdin."""
+
+    process: ProcessSelector | None = None
+
+
+class ListRequest(_Message):
+    pass
+
+
+class SendInputRequest(_Message):
+    process: ProcessSelector | None = None
+    input: ProcessInput | None = None
+
+
+class SendSignalRequest(_Message):
+    process: ProcessSelector | None = None
+    signal: int | str = 0
+
+
+class UpdateRequest(_Message):
+    process: ProcessSelector | None = None
+    pty: PtyMessage | None = None
+
+
+class StreamInputStart(_Message):
+    process: ProcessSelector | None = None
+
+
+class StreamInputData(_Message):
+    input: ProcessInput | None = None
+
+
+class StreamInputRequest(_Message):
+    start: StreamInputStart | None = None
+    data: StreamInputData | None = None
+    keepalive: dict[str, Any] | None = None
+
+
+_SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15}
+MAX_KILL_TIMERS = 4096
+
+
+def _env(view: EnvView) -> AsyncEnv:
+    return AsyncEnv(view.client, {"id": view.env_id})
+
+
+def _process_error(e: DaemonError, pid: int | None = None) -> ConnectError:
+    if e.kind == "process_not_found":
+        return ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found" if pid is not None else e.detail)
+    if e.kind == "wrong_state" and e.detail.startswith("process "):
+        if "has exited" in e.detail:
+            return ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found (it has exited)")
+        return ConnectError(Code.FAILED_PRECONDITION, e.detail)
+    if e.kind in ("command_not_found", "cannot_start"):
+        return ConnectError(Code.INVALID_ARGUMENT, e.detail)
+    return _rpc_error(e)
+
+
+async def _pid_of(view: EnvView, selector: ProcessSelector | None) -> int:
+    """The pid a selector names: a pid as it is, a tag as the running process carrying it."""
+    if selector is None or (selector.pid is None and selector.tag is None):
+        raise ConnectError(Code.INVALID_ARGUMENT, "process: give a pid or a tag")
+    if selector.pid is not None:
+        return selector.pid
+    for p in await _env(view).processes():
+        if p.running and p.tag == selector.tag:
+            return p.pid
+    raise ConnectError(Code.NOT_FOUND, f"no running process with tag {selector.tag!r}")
+
+
+def _end(end: ProcessEnd) -> dict[str, Any]:
+    """weenv's end as envd's EndEvent (Go's ProcessState: a signal's exit code is -1, exited false)."""
+    if end.signal:
+        return {"exitCode": -1, "exited": False, "status": end.status or f"signal: {end.signal}"}
+    return {"exitCode": end.exit_code, "exited": True, "status": end.status or f"exit status {end.exit_code}"}
+
+
+async def _events(proc: AsyncProcess) -> AsyncIterator[dict[str, Any]]:
+    yield {"event": {"start": {"pid": proc.pid}}}
+    try:
+        async for ev in proc.events():
+            if ev.data_b64 is not None and ev.stream is not None:
+                yield {"event": {"data": {ev.stream: base64.b64encode(ev.data_b64).decode()}}}
+            elif ev.end is not None:
+                yield {"event": {"end": _end(ev.end)}}
+                return
+    except DaemonError as e:
+        if e.kind == "stream":  # cut: the process may run on (connect again)
+            raise ConnectError(Code.UNAVAILABLE, str(e.detail)) from None
+        raise _process_error(e, proc.pid) from None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await proc.detach()
+
+
+async def _kill_at(client: AsyncClient, env_id: str, pid: int, argv: list[str], deadline: float) -> None:
+    """envd's Connect-Timeout-Ms: the process is killed when the call's deadline passes."""
+    await anyio.sleep(max(0.0, deadline - time.monotonic()))
+    proc = AsyncEnv(client, {"id": env_id}).process(pid)
+    try:
+        info = await proc.info()
+        if info.running and info.argv == argv:  # the same process, not a later one with its pid
+            await proc.kill()
+    except (DaemonError, DaemonUnavailableError, httpx.TransportError):
+        pass
+
+
+def _schedule_kill(view: EnvView, pid: int, argv: list[str], deadline: float | None) -> None:
+    tasks = view.state.tasks
+    if deadline is None or tasks is None:
+        return
+    if view.state.kill_timers >= MAX_KILL_TIMERS:
+        log.warning("%d command deadlines pending: process %d in %s runs without one", MAX_KILL_TIMERS, pid,
+                    view.env_id)
+        return
+
+    async def timer() -> None:
+        view.state.kill_timers += 1
+        try:
+            await _kill_at(view.client, view.env_id, pid, argv, deadline)
+        finally:
+            view.state.kill_timers -= 1
+
+    tasks.start_soon(timer)
+
+
+async def proc_start(view: EnvView, req: StartRequest, deadline: float | None) -> AsyncIterator[dict[str, Any]]:
     proc = req.process
     if proc is None or not proc.cmd:
         raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
+    pty = None
     if req.pty is not None:
-        raise ConnectError(Code.UNIMPLEMENTED, "pty: weenv serve does not run commands on a pty yet")
+        size = req.pty.size or PtySizeMessage()
+        pty = (size.rows or 24, size.cols or 80)
     argv = [proc.cmd, *proc.args]
     if argv[0] == "/bin/bash" and not await _has_bash(view):
         argv[0] = "/bin/sh"  # the SDK runs every command with `/bin/bash -l -c`; small images have only sh
-    body: dict[str, Any] = {"argv": argv, "stream": True}
-    if proc.envs:
-        body["env"] = dict(proc.envs)
-    if proc.cwd:
-        body["cwd"] = proc.cwd
-    if view.user:
-        body["user"] = view.user
-    client = view.client
-    await client._ensure()
-    pid = 1000 + secrets.randbelow(1 << 20)
-    async with client._http.stream("POST", f"/v1/envs/{view.env_id}/exec", json=body, timeout=None) as resp:
-        if resp.status_code >= 400:
-            await resp.aread()
-            try:
-                err = resp.json()["error"]
-            except (ValueError, KeyError, TypeError):
-                err = {"kind": "error", "message": resp.text}
-            raise _rpc_error(DaemonError(resp.status_code, err.get("kind", "error"), err.get("message", "")))
-        yield {"event": {"start": {"pid": pid}}}
-        async for line in resp.aiter_lines():
-            if not line.strip():
-                continue
-            msg = json.loads(line)
-            if "stream" in msg:
-                yield {"event": {"data": {msg["stream"]: msg["data_b64"]}}}
-            elif "error" in msg:
-                e = msg["error"]
-                raise _rpc_error(DaemonError(e.get("status", 500), e.get("kind", "error"), e.get("message", "")))
-            elif "result" in msg:
-                r = msg["result"]
-                code = int(r.get("exit_code", -1))
-                end: dict[str, Any] = {"exitCode": code, "exited": code < 128 or code == 255,
-                                       "status": f"exit status {code}"}
-                if r.get("timed_out"):
-                    end.update(exited=False, status="signal: killed", error="timed out")
-                elif r.get("command_not_found"):
-                    end["error"] = f"{argv[0]}: command not found"
-                yield {"event": {"end": end}}
-                return
-    raise ConnectError(Code.UNAVAILABLE, "the exec stream ended without a result")
+    try:
+        handle = await _env(view).spawn(argv, env=dict(proc.envs) or None, cwd=proc.cwd or None, user=view.user,
+                                        stdin=pty is not None or bool(req.stdin), pty=pty, tag=req.tag)
+    except DaemonError as e:
+        raise _process_error(e) from None
+    except DaemonUnavailableError:
+        raise
+    except WeenvError as e:
+        raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
+    _schedule_kill(view, handle.pid, argv, deadline)
+    async for ev in _events(handle):
+        yield ev
+
+
+async def proc_connect(view: EnvView, req: SelectRequest, deadline: float | None) -> AsyncIterator[dict[str, Any]]:
+    pid = await _pid_of(view, req.process)
+    try:
+        handle = await _env(view).connect(pid)
+    except DaemonError as e:
+        raise _process_error(e, pid) from None
+    async for ev in _events(handle):
+        yield ev
+
+
+async def proc_list(view: EnvView, req: ListRequest) -> dict[str, Any]:
+    out = []
+    for p in await _env(view).processes():
+        if not p.running:
+            continue  # as envd: a finished process is gone
+        config: dict[str, Any] = {"cmd": p.argv[0] if p.argv else "", "args": p.argv[1:], "envs": p.env}
+        if p.cwd:
+            config["cwd"] = p.cwd
+        info: dict[str, Any] = {"config": config, "pid": p.pid}
+        if p.tag is not None:
+            info["tag"] = p.tag
+        out.append(info)
+    return {"processes": out}
+
+
+async def _send(view: EnvView, pid: int, data: bytes, close: bool = False) -> None:
+    try:
+        await _env(view).process(pid).send_stdin(data, close=close)
+    except DaemonError as e:
+        raise _process_error(e, pid) from None
+
+
+def _input_bytes(inp: ProcessInput | None) -> bytes:
+    if inp is None or (inp.stdin is None and inp.pty is None):
+        raise ConnectError(Code.INVALID_ARGUMENT, "input: give stdin or pty bytes")
+    return inp.stdin if inp.stdin is not None else inp.pty  # type: ignore[return-value]
+
+
+async def proc_send_input(view: EnvView, req: SendInputRequest) -> dict[str, Any]:
+    pid = await _pid_of(view, req.process)
+    await _send(view, pid, _input_bytes(req.input))
+    return {}
+
+
+async def proc_close_stdin(view: EnvView, req: SelectRequest) -> dict[str, Any]:
+    pid = await _pid_of(view, req.process)
+    await _send(view, pid, b"", close=True)
+    return {}
+
+
+async def proc_send_signal(view: EnvView, req: SendSignalRequest) -> dict[str, Any]:
+    pid = await _pid_of(view, req.process)
+    sig = _SIGNALS.get(req.signal, req.signal) if isinstance(req.signal, str) else req.signal
+    if sig not in (9, 15):
+        raise ConnectError(Code.INVALID_ARGUMENT, f"signal: {req.signal!r} is not SIGNAL_SIGKILL or SIGNAL_SIGTERM")
+    try:
+        await _env(view).process(pid).signal(int(sig))
+    except DaemonError as e:
+        raise _process_error(e, pid) from None
+    return {}
+
+
+async def proc_update(view: EnvView, req: UpdateRequest) -> dict[str, Any]:
+    pid = await _pid_of(view, req.process)
+    if req.pty is None or req.pty.size is None:
+        return {}
+    size = req.pty.size
+    if not (1 <= size.rows and 1 <= size.cols):
+        raise ConnectError(Code.INVALID_ARGUMENT, f"pty.size: rows {size.rows} and cols {size.cols} must be at least 1")
+    try:
+        await _env(view).process(pid).resize(size.rows, size.cols)
+    except DaemonError as e:
+        raise _process_error(e, pid) from None
+    return {}
+
+
+async def proc_stream_input(view: EnvView, request: Request) -> dict[str, Any]:
+    """A client stream: a start naming the process, then data, fed to it as they come."""
+    reader = EnvelopeReader(MAX_RPC_BODY_BYTES)
+    pid: int | None = None
+    async for chunk in request.stream():
+        for flags, data in reader.feed(chunk):
+            if flags & 0x02:
+                continue  # the client's end-of-stream
+            msg = _decode_message(data, StreamInputRequest)
+            if msg.start is not None:
+                pid = await _pid_of(view, msg.start.process)
+            elif msg.data is not None:
+                if pid is None:
+                    raise ConnectError(Code.INVALID_ARGUMENT, "StreamInput: data before the start naming the process")
+                await _send(view, pid, _input_bytes(msg.data.input))
+    reader.close()
+    if pid is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "StreamInput: no start message naming the process")
+    return {}
 
 
 # -- Connect glue -------------------------------------------------------------------------------
 
 Unary = Callable[[EnvView, Any], Awaitable[dict[str, Any]]]
 Stream = Callable[[EnvView, Any, float], AsyncIterator[dict[str, Any]]]
+ProcessStream = Callable[[EnvView, Any, "float | None"], AsyncIterator[dict[str, Any]]]
 
 UNARY: dict[str, tuple[type[_Message], Unary]] = {
     "filesystem.Filesystem/Stat": (PathRequest, fs_stat),
@@ -484,14 +705,80 @@ UNARY: dict[str, tuple[type[_Message], Unary]] = {
     "filesystem.Filesystem/CreateWatcher": (WatchRequest, fs_create_watcher),
     "filesystem.Filesystem/GetWatcherEvents": (WatcherRequest, fs_get_watcher_events),
     "filesystem.Filesystem/RemoveWatcher": (WatcherRequest, fs_remove_watcher),
+    "process.Process/List": (ListRequest, proc_list),
+    "process.Process/SendInput": (SendInputRequest, proc_send_input),
+    "process.Process/SendSignal": (SendSignalRequest, proc_send_signal),
+    "process.Process/CloseStdin": (SelectRequest, proc_close_stdin),
+    "process.Process/Update": (UpdateRequest, proc_update),
 }
 STREAMS: dict[str, tuple[type[_Message], Stream]] = {
     "filesystem.Filesystem/WatchDir": (WatchRequest, fs_watch_dir),
-    "process.Process/Start": (StartRequest, proc_start),
 }
-NOT_YET = {"process.Process/Connect", "process.Process/List", "process.Process/SendInput",
-           "process.Process/StreamInput", "process.Process/SendSignal", "process.Process/CloseStdin",
-           "process.Process/Update"}
+PROCESS_STREAMS: dict[str, tuple[type[_Message], ProcessStream]] = {
+    "process.Process/Start": (StartRequest, proc_start),
+    "process.Process/Connect": (SelectRequest, proc_connect),
+}
+PROCESS_KEEPALIVE = {"event": {"keepalive": {}}}
+
+
+class EventStream(Response):
+    """A server stream whose events come from their own task, with a keepalive message whenever
+    none came for ``keepalive_s`` (proxies with an idle timeout would cut a silent command), and the
+    end-of-stream message (an error, or the deadline passing) last. A client that goes away cancels
+    the producer (its ``finally`` runs)."""
+
+    media_type = STREAM_CONTENT_TYPE
+
+    def __init__(self, events: AsyncIterator[dict[str, Any]], deadline: float | None, keepalive_s: float,
+                 keepalive: dict[str, Any]):
+        super().__init__(None, 200, media_type=STREAM_CONTENT_TYPE)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # chunked
+        self.events, self.deadline, self.keepalive_s = events, deadline, keepalive_s
+        self.keepalive = envelope(msgspec.json.encode(keepalive))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        tx, rx = anyio.create_memory_object_stream[bytes](16)
+
+        async def produce() -> None:
+            async with tx:
+                await tx.send(await _drain(self.events, self.deadline, tx))
+
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            tg.start_soon(watch_disconnect)
+            async with rx:
+                while True:
+                    chunk = None
+                    with anyio.move_on_after(self.keepalive_s):
+                        try:
+                            chunk = await rx.receive()
+                        except anyio.EndOfStream:
+                            break
+                    await send({"type": "http.response.body", "body": chunk or self.keepalive, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            tg.cancel_scope.cancel()
+
+
+async def _drain(events: AsyncIterator[dict[str, Any]], deadline: float | None, tx: Any) -> bytes:
+    """Send every event of ``events`` into ``tx``; answer the end-of-stream message."""
+    try:
+        with anyio.fail_after(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            async for ev in _guarded_iter(events):
+                await tx.send(envelope(msgspec.json.encode(ev)))
+    except ConnectError as e:
+        return end_stream(e)
+    except TimeoutError:
+        return end_stream(ConnectError(Code.DEADLINE_EXCEEDED, "the call's deadline (Connect-Timeout-Ms) passed"))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()  # type: ignore[attr-defined]
+    return end_stream()
 
 
 def _rpc_user(request: Request) -> str | None:
@@ -541,7 +828,18 @@ async def rpc(request: Request) -> Response:
         except ConnectError as e:
             return _unary_error(e)
         return Response(msgspec.json.encode(answer), 200, media_type=UNARY_CONTENT_TYPE)
-    if name in STREAMS:
+    if name == "process.Process/StreamInput":
+        if ctype != STREAM_CONTENT_TYPE:
+            return Response(b"", 415, headers={"Accept-Post": STREAM_CONTENT_TYPE})
+        try:
+            view.user = _rpc_user(request)
+            await _guarded(proc_stream_input(view, request))
+        except FramingError as e:
+            return _stream_error_response(ConnectError(Code.INVALID_ARGUMENT, str(e)))
+        except ConnectError as e:
+            return _stream_error_response(e)
+        return Response(envelope(b"{}") + end_stream(), 200, media_type=STREAM_CONTENT_TYPE)
+    if name in STREAMS or name in PROCESS_STREAMS:
         if ctype != STREAM_CONTENT_TYPE:
             return Response(b"", 415, headers={"Accept-Post": STREAM_CONTENT_TYPE})
         try:
@@ -552,7 +850,7 @@ async def rpc(request: Request) -> Response:
             if len(messages) != 1:
                 raise ConnectError(Code.INVALID_ARGUMENT, f"a server stream takes one request message, not "
                                    f"{len(messages)}")
-            cls, stream = STREAMS[name]
+            cls, stream = STREAMS[name] if name in STREAMS else PROCESS_STREAMS[name]  # type: ignore[assignment]
             req = _decode_message(messages[0][1], cls)
             keepalive = float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_S)
         except FramingError as e:
@@ -564,11 +862,10 @@ async def rpc(request: Request) -> Response:
         # Connect: at most 10 ASCII digits (isdigit() alone takes a latin-1 '²'; 400 digits overflow a float)
         deadline = (time.monotonic() + int(timeout_ms) / 1000
                     if timeout_ms.isascii() and timeout_ms.isdigit() and len(timeout_ms) <= 10 else None)
+        if name in PROCESS_STREAMS:
+            return EventStream(stream(view, req, deadline), deadline, max(1.0, keepalive), PROCESS_KEEPALIVE)
         return StreamingResponse(_stream(stream(view, req, max(1.0, keepalive)), deadline), 200,
                                  media_type=STREAM_CONTENT_TYPE)
-    if name in NOT_YET:
-        return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: weenv serve runs commands only for as long "
-                                         "as their Start stream is open (no pid to signal, feed or reattach yet)"))
     return _unary_error(ConnectError(Code.UNIMPLEMENTED, f"{name}: no such method"))
 
 
