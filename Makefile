@@ -7,7 +7,7 @@ APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc docker-registry crun busybox-s
 	mmdebstrap skopeo umoci iproute2 nftables git catatonit libc6-dev runsc
 PYTEST_ARGS ?=
 
-.PHONY: setup apt venv demo test bench bench-quick clean
+.PHONY: setup apt venv demo test bench bench-quick soak soak-quick clean
 
 setup: apt venv
 
@@ -42,6 +42,13 @@ bench: setup
 bench-quick: setup
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m benchmarks.run --quick --no-docs
+
+# the reliability campaign: 1,000 env lifecycles, then the fault matrix and fuzz targets; docs/reliability.md
+soak: setup
+	$(PY) -m benchmarks.soak
+
+soak-quick: setup
+	$(PY) -m benchmarks.soak --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

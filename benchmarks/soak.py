@@ -343,6 +343,7 @@ def run_soak(n: int, concurrency: int, quick: bool, use_e2b: bool = True) -> dic
         samples["start"] = _rss_fds(pid)
         setup_s = time.monotonic() - t_setup
         clients = threading.local()
+        curve: list[tuple[int, int, int]] = []  # (lifecycles done, daemon RSS, fds) under load
 
         def one(i: int) -> None:
             kind = kinds[i % len(kinds)]
@@ -365,7 +366,9 @@ def run_soak(n: int, concurrency: int, quick: bool, use_e2b: bool = True) -> dic
                     s.durations.setdefault(f"{kind.name} via {via}", []).append(time.monotonic() - t0)
                     s.done += 1
                     if s.done % max(1, n // 10) == 0:
-                        print(f"soak: {s.done}/{n} lifecycles, {len(s.failures)} failed", flush=True)
+                        curve.append((s.done, *_rss_fds(pid)))
+                        print(f"soak: {s.done}/{n} lifecycles, {len(s.failures)} failed, daemon RSS "
+                              f"{curve[-1][1] >> 20} MiB, {curve[-1][2]} fds", flush=True)
 
         t0 = time.monotonic()
         warm = min(n, 2 * concurrency)  # warm-up: pools, caches, trees, the allocator's arenas
@@ -405,7 +408,8 @@ def run_soak(n: int, concurrency: int, quick: bool, use_e2b: bool = True) -> dic
             "env processes left": live_pids,
             "daemon children added": sorted(_children(pid) - base_children - {envlet_pid}),
             "veths/netns added": sorted(set(_veths()) - base_veths),
-            "snapshot trees left": os.listdir(trees_dir) if os.path.isdir(trees_dir) else [],
+            "snapshot trees left": [n for n in (os.listdir(trees_dir) if os.path.isdir(trees_dir) else [])
+                                    if n != ".id-base"],  # the trees' owner marker (weenv/provision/_idmap.py)
         }
         disk = {"home_other_bytes": _du(home, skip), "envlet_cache_bytes": _du(os.path.join(home, "envlet")),
                 "layer_trees_bytes": _du(os.path.join(home, "layer-trees")),
@@ -426,6 +430,7 @@ def run_soak(n: int, concurrency: int, quick: bool, use_e2b: bool = True) -> dic
         "per_kind": {k: {"n": len(v), "median_s": median(v), "p99_s": percentile(v, 99)}
                      for k, v in sorted(s.durations.items())},
         "samples": {k: {"rss_bytes": v[0], "fds": v[1]} for k, v in samples.items()},
+        "rss_curve": curve,
         "rss_growth_bytes": rss_growth, "fd_growth": fd_growth, "disk": disk,
         "bounds": {"rss_growth_bytes": RSS_BOUND, "fd_growth": FD_BOUND, "home_other_bytes": DISK_BOUND},
         "checks": {k: v[:20] for k, v in checks.items()},
