@@ -316,13 +316,6 @@ class Daemon:
         if self.config.use_agent:
             self.manager.agent_path = await trio.to_thread.run_sync(
                 ensure_agent, os.path.join(self.config.home, "lib"))
-        if self.manager.idmap is not None:  # the env's root walks these to its rootfs and the agent
-            from ._idmap import open_path_for_range
-
-            lib = os.path.join(self.config.home, "lib")
-            os.makedirs(lib, mode=0o700, exist_ok=True)
-            await trio.to_thread.run_sync(open_path_for_range, [self.config.home, self.envs_dir, lib],
-                                          self.manager.idmap)
         adoption = await self.manager.adopt()
         server = Server(self.router)
         async with trio.open_nursery() as nursery:
