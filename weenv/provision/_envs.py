@@ -47,9 +47,9 @@ from ._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
 from ._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
 from ._errors import HostError
-from ._gvisor import plan_runtime, start_cpu_hint
-from ._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert, open_path_for_range,
-                     own_cgroups_only)
+from ._gvisor import ANNOTATION_RUNTIME, plan_runtime, start_cpu_hint
+from ._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, bundle_relative_paths, make_tree_inert,
+                     open_path_for_range, own_cgroups_only)
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
 from ._startcheck import LockVerifier, check_registered, check_start
@@ -409,11 +409,14 @@ class EnvManager:
                 annotations=routing or None,
             )
             if self.idmap is not None:
-                # crun's child, the env's root, walks to the rootfs and the bind sources as host uid base
-                open_path_for_range([_state.env_dir(self.envs_dir, rec.id), _state.bundle_path(self.envs_dir, rec.id)],
-                                    self.idmap)
+                # crun's child, the env's root, walks to the rootfs and the bind sources as host uid base:
+                # from the bundle (crun's cwd), through the env's directory only
+                env_dir, bundle_dir = _state.env_dir(self.envs_dir, rec.id), _state.bundle_path(self.envs_dir, rec.id)
+                open_path_for_range([env_dir, bundle_dir], self.idmap)
                 spec = own_cgroups_only(apply_userns(spec, self.idmap),
                                         [os.path.dirname(p) for p in cg.procs_paths()], self.backend.version)
+                if routing.get(ANNOTATION_RUNTIME, getattr(self.runtime, "name", "crun")) == "crun":
+                    spec = bundle_relative_paths(spec, bundle_dir, env_dir)  # runsc's gofer is host root
             return spec
 
         spec = await trio.to_thread.run_sync(bundle)
@@ -423,8 +426,8 @@ class EnvManager:
                 await self._network_ready(rec.id)
                 mark("network")
             extra = {"listen_fd": listener.fileno()} if listener is not None else {}
-            rec.init_pid = await self.runtime.create(rec.id, _state.bundle_path(self.envs_dir, rec.id), rootfs, spec,
-                                                     cg.procs_paths(), **extra)
+            rec.init_pid = await self.runtime.create(rec.id, _state.bundle_path(self.envs_dir, rec.id),
+                                                     spec["root"]["path"], spec, cg.procs_paths(), **extra)
         finally:
             if listener is not None:
                 listener.close()  # the env's init holds its own copy now
