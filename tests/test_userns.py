@@ -414,6 +414,21 @@ def _lock_groups(lock_path: str) -> list[dict]:
 
 
 @pytest.mark.integration
+def test_the_home_stays_root_only_and_the_env_root_walks_only_its_own_directory(userns_daemon):
+    """Promise: $WEENV_HOME and envs/ stay 0700 root (the env's root never needs them: crun is given
+    paths relative to the bundle); only envs/<id> and its bundle let the range's root group through."""
+    with userns_daemon.client() as c, c.create(userns_daemon.plan_lock) as env:
+        for path, mode, gid in ((userns_daemon.home, 0o700, 0), (os.path.join(userns_daemon.home, "envs"), 0o700, 0),
+                                (os.path.join(userns_daemon.home, "envs", env.id), 0o710, BASE),
+                                (os.path.join(userns_daemon.home, "envs", env.id, "bundle"), 0o710, BASE)):
+            st = os.stat(path)
+            assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (mode, 0, gid), path
+        key = os.stat(os.path.join(userns_daemon.home, "envs", env.id, "agent.sock.key"))
+        assert (key.st_mode & 0o777, key.st_uid) == (0o600, 0)
+        assert env.exec(["true"]).exit_code == 0
+
+
+@pytest.mark.integration
 def test_the_rootfs_mount_is_nosuid_nodev_on_the_host(userns_daemon):
     """Promise: while an env runs, its overlay on the host grants no setuid and opens no device."""
     with userns_daemon.client() as c, c.create(userns_daemon.plan_lock) as env:

@@ -13,9 +13,10 @@ How the pieces fit:
   are owned by host ids of the range (envlet, layer trees, snapshot trees) and its upper is
   written through the env's namespace, so it holds host ids of the range too;
 - crun's child runs as the env's root (host uid ``base``) while it mounts the rootfs and the
-  bind mounts, so the directories on the way (``$WEENV_HOME``, ``envs``, ``envs/<id>``, the
-  bundle, ``lib``) are ``root:<base> 0710``: traversable by the range's root group, listable by
-  nobody but host root, everything secret in them stays 0600 root;
+  bind mounts: it cannot walk ``$WEENV_HOME`` (0700, root), so the spec names the rootfs and
+  weenv's bind sources relative to the bundle, where crun runs (:func:`bundle_relative_paths`),
+  and only ``envs/<id>`` and its bundle are ``root:<base> 0710``: traversable by the range's
+  root group, listable by nobody but host root (the agent's key stays 0600 root);
 - host-side trees are inert: owned by range ids (a setuid bit makes a file setuid to an
   unprivileged uid), file capabilities are v3 of the range's root (ignored by host processes),
   and a tree never holds a device node (:func:`make_tree_inert`);
@@ -104,6 +105,30 @@ def own_cgroups_only(spec: dict, cgroup_dirs: Iterable[str], version: str) -> di
         linux["readonlyPaths"] = [*linux.get("readonlyPaths", []), "/sys/fs/cgroup",
                                   *(f"/sys/fs/cgroup/{name}" for name in sorted(names))]
     spec["mounts"] = mounts
+    return spec
+
+
+def bundle_relative_paths(spec: dict, bundle_dir: str, env_dir: str) -> dict:
+    """Paths crun's child (the env's root, host uid ``base``) resolves, made reachable without
+    walking ``$WEENV_HOME`` (0700, root): crun runs in the bundle directory, so the root and
+    bind-mount sources under the env's directory become relative to it (OCI allows both), and a
+    file weenv binds from elsewhere under the env's directory's parents (the agent binary) is
+    hard-linked into the bundle first. Only the env's directory and the bundle need to let the
+    range's root group through (:func:`open_path_for_range`)."""
+    root = spec.get("root", {}).get("path")
+    if root and os.path.isabs(root):
+        spec["root"]["path"] = os.path.relpath(root, bundle_dir)
+    home = os.path.dirname(os.path.dirname(os.path.abspath(env_dir)))  # $WEENV_HOME (envs/<id>)
+    for m in spec.get("mounts", []):
+        src = m.get("source", "")
+        if m.get("type") != "bind" or not os.path.isabs(src) or not src.startswith(home + "/"):
+            continue  # plan mounts and system files: their own paths
+        if not src.startswith(os.path.abspath(env_dir) + "/"):
+            link = os.path.join(bundle_dir, ".bind-" + os.path.basename(src))
+            if not os.path.exists(link):
+                os.link(src, link)
+            src = link
+        m["source"] = os.path.relpath(src, bundle_dir)
     return spec
 
 
