@@ -126,7 +126,10 @@ def bundle_relative_paths(spec: dict, bundle_dir: str, env_dir: str) -> dict:
         if not src.startswith(os.path.abspath(env_dir) + "/"):
             link = os.path.join(bundle_dir, ".bind-" + os.path.basename(src))
             if not os.path.exists(link):
-                os.link(src, link)
+                try:
+                    os.link(src, link)
+                except OSError:  # another file system (EXDEV), or links not allowed: a copy
+                    shutil.copy2(src, link)
             src = link
         m["source"] = os.path.relpath(src, bundle_dir)
     return spec
