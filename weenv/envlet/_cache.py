@@ -335,6 +335,21 @@ class DiskCache:
         """Evict least recently used packs until at most ``to_bytes`` remain; (chunks, bytes) freed."""
         return self._evict_to(max(0, to_bytes))
 
+    def record(self, digest: bytes) -> tuple[object, int, int, int] | None:
+        """(holder, fd, offset, length) of a chunk's bytes in its pack, for zero-copy serving (peers).
+
+        Keep ``holder`` while using ``fd``: the descriptor closes when the last holder lets go. The
+        bytes are not verified here (the receiver verifies them); a hit makes the pack recent.
+        """
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is None:
+                return None
+            seg, offset, length, _ = entry
+            if seg.seq in self._segments:
+                self._segments.move_to_end(seg.seq)
+        return seg, seg.fd, offset, length
+
     def locate(self, digest: bytes) -> tuple[str, int, int] | None:
         """(pack path, offset, length) of a chunk's bytes, for tools and tests."""
         entry = self._index.get(digest)

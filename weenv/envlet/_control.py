@@ -73,7 +73,23 @@ class Extract(msgspec.Struct, tag="extract", forbid_unknown_fields=True):
     dest: str
 
 
-Request = Register | Unregister | ListLayers | Stats | Prune | Ping | Trace | Extract
+class SetPeers(msgspec.Struct, tag="set_peers", forbid_unknown_fields=True):
+    """Replace the peer tier's table {peer address "HOST:PORT": layer digests it holds}.
+
+    The node agent sends it after each report round, from the other nodes' reports (no discovery
+    protocol of the envlet's own); this node's own address is ignored if listed.
+    """
+
+    peers: dict[str, list[str]]
+
+
+class PeerServing(msgspec.Struct, tag="peer_serving", forbid_unknown_fields=True):
+    """Serve chunks to peers or stop (a node being drained): answers in progress are cut."""
+
+    enabled: bool
+
+
+Request = Register | Unregister | ListLayers | Stats | Prune | Ping | Trace | Extract | SetPeers | PeerServing
 
 
 class Reply(msgspec.Struct):
@@ -174,6 +190,14 @@ class EnvletClient:
     def extract(self, name: str, dest: str, *, timeout_s: float = 3600.0) -> dict:
         """Counts of what was made (dirs, files, links, symlinks, nodes, bytes)."""
         return self._call(Extract(name, dest), timeout_s)
+
+    def set_peers(self, peers: dict[str, list[str]]) -> dict:
+        """Set the peer table (see :class:`SetPeers`); answers {"peers": how many, "address": ours}."""
+        return self._call(SetPeers({str(k): list(v) for k, v in peers.items()}))
+
+    def set_peer_serving(self, enabled: bool) -> dict:
+        """Start or stop serving chunks to peers (False: the node is being drained)."""
+        return self._call(PeerServing(enabled))
 
     def wait_ready(self, timeout_s: float = 10.0, *, pid: int | None = None) -> None:
         """Block until the envlet answers a ping (or its process ``pid`` exits, or the timeout passes)."""

@@ -48,6 +48,7 @@ class LayerSource:
 
     name: str  # short stable name, for logs
     reader: RandomAccessReader  # blocking range reads against the store (called in worker threads)
+    digest: str = ""  # the layer blob's digest (the peer tier asks the peers that hold this layer)
 
 
 @dataclass
@@ -91,6 +92,8 @@ class Fetcher:
         self._limiters = {i: trio.CapacityLimiter(t.max_concurrency) for i, t in enumerate(self.tiers)
                           if t.max_concurrency}
         self.tier_stats = {t.name: TierStats() for t in self.tiers}
+        # per layer (source name) and tier after the fast ones: [chunks, bytes] answered (peer vs registry)
+        self.layer_tiers: dict[str, dict[str, list[int]]] = {}
         self.deadline_s = deadline_s
         self.failure_memory_s = failure_memory_s
         self._failures: dict[bytes, tuple[float, FetchError]] = {}  # digest -> (trio time, error)
@@ -99,6 +102,11 @@ class Fetcher:
         self._foreground_idle = trio.Event()
         self._foreground_idle.set()
         self._nursery: trio.Nursery | None = None
+
+    @property
+    def foreground_busy(self) -> bool:
+        """Reads of this node are waiting for chunks (peer serving yields to them)."""
+        return self._foreground > 0
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Give the fetcher a nursery for background work (write-back, async read-ahead, prefetch)."""
@@ -313,6 +321,13 @@ class Fetcher:
                 elif c.digest in answers:
                     st.misses += 1
             if good:
+                per = self.layer_tiers.get(src.name)
+                if per is None and len(self.layer_tiers) < 10_000:
+                    per = self.layer_tiers[src.name] = {}
+                if per is not None:
+                    acc = per.setdefault(tier.name, [0, 0])
+                    acc[0] += len(good)
+                    acc[1] += sum(len(a) for _, a in good)
                 self._write_back(idx, good)
             pending = still
         for c in pending:

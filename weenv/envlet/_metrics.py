@@ -30,6 +30,19 @@ COUNTERS = (
     ("read_errors", "FUSE reads answered with EIO"),
     ("fuse_reads", "FUSE read requests"),
     ("fuse_read_bytes", "bytes returned to FUSE reads"),
+    ("peer_requests", "requests answered by peer nodes (the peer tier)"),
+    ("peer_chunks", "chunks received from peer nodes (before verification)"),
+    ("peer_bytes", "bytes received from peer nodes"),
+    ("peer_misses", "chunks asked of a peer that it did not hold"),
+    ("peer_errors", "peer requests that failed (refused, reset, malformed)"),
+    ("peer_timeouts", "peer requests given up at the hedge or stall deadline"),
+    ("peer_corrupt", "chunks from a peer that failed verification (the peer is penalised)"),
+    ("peer_served_requests", "peer requests this node answered"),
+    ("peer_served_chunks", "chunks this node served to peers"),
+    ("peer_served_bytes", "bytes this node served to peers"),
+    ("peer_served_fetches", "chunks this node fetched for a peer (it owned their region)"),
+    ("peer_refused", "peer requests refused: missing or wrong cluster token"),
+    ("peer_drained", "peer requests refused while this node is drained"),
 )
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -42,6 +55,8 @@ class Metrics:
         self.counters: dict[str, int] = {name: 0 for name, _ in COUNTERS}
         self.latency_buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)
         self.latency_sum_s = 0.0
+        self.peer_latency_buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.peer_latency_sum_s = 0.0
 
     def inc(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -52,6 +67,11 @@ class Metrics:
             self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
             self.latency_sum_s += seconds
 
+    def observe_peer(self, seconds: float) -> None:
+        with self._lock:
+            self.peer_latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+            self.peer_latency_sum_s += seconds
+
     def snapshot(self) -> dict:
         with self._lock:
             return {
@@ -61,10 +81,16 @@ class Metrics:
                     "counts": list(self.latency_buckets),
                     "sum_s": self.latency_sum_s,
                 },
+                "peer_latency": {
+                    "buckets_s": list(LATENCY_BUCKETS_S),
+                    "counts": list(self.peer_latency_buckets),
+                    "sum_s": self.peer_latency_sum_s,
+                },
             }
 
 
-def start_prometheus(metrics: Metrics, port: int, envs: "callable", gauges: "callable") -> None:  # type: ignore[valid-type]
+def start_prometheus(metrics: Metrics, port: int, envs: "callable", gauges: "callable",  # type: ignore[valid-type]
+                     layer_tiers: "callable | None" = None) -> None:  # type: ignore[valid-type]
     """Serve the counters on http://0.0.0.0:PORT/metrics (prometheus text format)."""
     from prometheus_client import start_http_server
     from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -78,14 +104,27 @@ def start_prometheus(metrics: Metrics, port: int, envs: "callable", gauges: "cal
                 c = CounterMetricFamily(f"weenv_envlet_{name}", docs[name])
                 c.add_metric([], snap[name])
                 yield c
-            lat = snap["remote_latency"]
-            buckets, acc = [], 0
-            for le, n in zip(list(lat["buckets_s"]) + [float("inf")], lat["counts"]):
-                acc += n
-                buckets.append((str(le) if le != float("inf") else "+Inf", acc))
-            h = HistogramMetricFamily("weenv_envlet_remote_fetch_seconds", "store range request latency")
-            h.add_metric([], buckets, lat["sum_s"])
-            yield h
+            for key, hname, hdoc in (("remote_latency", "remote_fetch_seconds", "store range request latency"),
+                                     ("peer_latency", "peer_fetch_seconds", "peer chunk request latency")):
+                lat = snap[key]
+                buckets, acc = [], 0
+                for le, n in zip(list(lat["buckets_s"]) + [float("inf")], lat["counts"]):
+                    acc += n
+                    buckets.append((str(le) if le != float("inf") else "+Inf", acc))
+                h = HistogramMetricFamily(f"weenv_envlet_{hname}", hdoc)
+                h.add_metric([], buckets, lat["sum_s"])
+                yield h
+            if layer_tiers is not None:  # {layer: {tier: {"chunks": n, "bytes": n}}}
+                lc = CounterMetricFamily("weenv_envlet_layer_tier_chunks", "chunks of a layer each tier answered",
+                                         labels=["layer", "tier"])
+                lb = CounterMetricFamily("weenv_envlet_layer_tier_bytes", "bytes of a layer each tier answered",
+                                         labels=["layer", "tier"])
+                for layer, per in layer_tiers().items():
+                    for tier, v in per.items():
+                        lc.add_metric([layer, tier], v["chunks"])
+                        lb.add_metric([layer, tier], v["bytes"])
+                yield lc
+                yield lb
             per_env = envs()  # {env: {"requests": {op: n}, "busy_s", "read_bytes", "delayed", "delayed_s"}}
             req = CounterMetricFamily("weenv_envlet_env_requests", "FUSE requests by env and kind", labels=["env", "op"])
             busy = CounterMetricFamily("weenv_envlet_env_busy_seconds", "envlet loop time charged to the env",

@@ -35,10 +35,12 @@ from ._control import (
     Extract,
     LayerInfo,
     ListLayers,
+    PeerServing,
     Ping,
     Prune,
     Register,
     Reply,
+    SetPeers,
     Stats,
     StoreSpec,
     Trace,
@@ -50,9 +52,11 @@ from ._control import (
 from ._extract import extract_layer
 from ._fair import MAX_FUSE_TASKS, EnvResolver, FairShare
 from ._fetch import Fetcher, LayerSource
-from ._tier import DEFAULT_TIERS, TierConfig, load_tiers
+from ._tier import DEFAULT_TIERS, TierConfig, TierConfigError, load_tiers
 from ._fs import EnvletFS
 from ._metrics import Metrics, start_prometheus
+from ._peer_server import PeerServer
+from ._tier_peer import PeerOptions
 from ._tree import LayerTree
 
 log = logging.getLogger("weenv.envlet")
@@ -151,6 +155,13 @@ class Envlet:
         # the caches behind the memory and disk tiers, when configured (stats, prune)
         self.l1 = getattr(self._tier("memory"), "cache", None)
         self.l2 = getattr(self._tier("disk"), "cache", None)
+        # the peer tier (chunks from other nodes) and the server of our chunks to them (peer.listen)
+        self.peer_tier = self._tier("peer")
+        self.peer_server: PeerServer | None = None
+        popts = self.peer_tier.options if self.peer_tier is not None else (
+            PeerOptions.from_options(config.options) if "peer.listen" in config.options else None)
+        if popts is not None and popts.listen is not None:
+            self.peer_server = PeerServer(self, popts)
         self.by_name: dict[str, MountedLayer] = {}
         self.by_slot: dict[int, MountedLayer] = {}
         self.next_slot = 1
@@ -252,7 +263,7 @@ class Envlet:
                 slot = self.next_slot
             self.next_slot = max(self.next_slot, slot + 1)
             mounted = MountedLayer(name, slot, req.store, req.repo, req.digest, req.size, req.toc_digest, layer, tree,
-                                   LayerSource(name, inner), refcount)
+                                   LayerSource(name, inner, req.digest), refcount)
             self.by_name[name] = mounted
             self.by_slot[slot] = mounted
             self._save_state()
@@ -336,9 +347,18 @@ class Envlet:
             "l2_files": l2.files if l2 else 0, "layers": len(self.by_name),
             "inflight_chunks": len(self.fetcher._inflight),
             "tiers": {name: dataclasses.asdict(st) for name, st in self.fetcher.tier_stats.items()},
+            "layer_tiers": self.layer_tiers(),
+            "peer": {"tier": self.peer_tier.stats() if self.peer_tier is not None else None,
+                     "server": self.peer_server.stats() if self.peer_server is not None else None},
             "fair": {"enabled": self.fair.enabled, "share_cores": self.fair.share_cores},
             "envs": self.fair.snapshot(),
         }
+
+    def layer_tiers(self) -> dict:
+        """{layer digest: {tier: {"chunks", "bytes"}}}: what each tier after memory answered, per layer."""
+        names = {m.name: m.digest for m in self.by_name.values()}
+        return {names.get(name, name): {t: {"chunks": v[0], "bytes": v[1]} for t, v in per.items()}
+                for name, per in list(self.fetcher.layer_tiers.items())}
 
     async def handle(self, req: Any) -> Reply:
         try:
@@ -370,6 +390,22 @@ class Envlet:
                     m.tree, lambda chunks, path: self.fetcher.get(m.source, chunks, path),
                     lambda chunks: self.fetcher.prefetch(m.source, chunks), req.dest, id_base=self.id_base)
                 return Reply(True, counts)
+            if isinstance(req, SetPeers):
+                if self.peer_tier is None:
+                    return Reply(False, error="set_peers: this envlet has no peer tier (--tiers ...,peer,...)",
+                                 error_kind="bad_request")
+                try:
+                    n = self.peer_tier.set_peers(req.peers)
+                except (ValueError, TierConfigError) as e:
+                    return Reply(False, error=f"set_peers: {e}", error_kind="bad_request")
+                return Reply(True, {"peers": n, "address": self.peer_tier.self_address})
+            if isinstance(req, PeerServing):
+                if self.peer_server is None:
+                    return Reply(False, error="peer_serving: this envlet does not serve peers (no peer.listen)",
+                                 error_kind="bad_request")
+                self.peer_server.serving = req.enabled
+                log.info("peer serving %s", "resumed" if req.enabled else "stopped (drained)")
+                return Reply(True, self.peer_server.stats())
             if isinstance(req, Prune):
                 files, freed = (await trio.to_thread.run_sync(self.l2.prune, req.to_bytes)) if self.l2 else (0, 0)
                 if self.l1:
@@ -438,7 +474,11 @@ class Envlet:
                 start_prometheus(self.metrics, metrics_port, self.fair.snapshot, lambda: {
                     "l1_size_bytes": self.l1.size_bytes if self.l1 else 0,
                     "l2_size_bytes": self.l2.size_bytes if self.l2 else 0,
-                    "layers": len(self.by_name)})
+                    "layers": len(self.by_name)}, self.layer_tiers)
+            if self.peer_server is not None:
+                address = await nursery.start(self.peer_server.serve)
+                if self.peer_tier is not None:
+                    self.peer_tier.self_address = address
             await nursery.start(self.serve_control)
             log.info("envlet serving %s (control %s)", self.mountpoint, self.control_socket)
             # waiting requests (an env over its fair share) hold a task each: room for them and the rest
