@@ -457,3 +457,21 @@ def _unmount_tmpfs_homes(tmp_path):  # type: ignore[no-untyped-def]
     home = tmp_path / "home"
     if os.path.ismount(home):
         subprocess.run(["umount", "-l", str(home)], capture_output=True)
+
+
+def test_a_fork_on_a_full_node_is_a_refusal_not_a_failure(private_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Found by the soak: a fork whose children the node cannot admit answered 500 (start_failed; the
+    E2B SDK saw a SandboxException), where a create answers 503 not_admitted (E2B: 429 RateLimit).
+    The parent runs on, no child is left, gc takes the fork's snapshot."""
+    from weenv import ApiError
+
+    d = private_daemon()
+    with d.client(timeout_s=120) as c, c.create(d.plan_lock, cpu="1.5-2") as env:
+        with pytest.raises(ApiError) as ei:
+            env.fork(1)
+        assert ei.value.status == 503 and ei.value.kind == "not_admitted", ei.value
+        assert "not admitted" in str(ei.value)
+        assert [e["id"] for e in c.list()] == [env.id]
+        assert env.exec(["true"]).exit_code == 0
+        c.gc()
+        assert c.snapshots() == []

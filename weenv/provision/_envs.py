@@ -887,7 +887,9 @@ class EnvManager:
                 async with trio.open_nursery() as nursery:
                     for child in children:
                         nursery.start_soon(self.kill, child.id)
-            raise EnvStartError(f"fork of {n}: {len(errors)} children failed to start: {errors[0]}", env_id=env_id)
+            # a node too full for the children is a refusal to retry later (503), not a failed start (500)
+            cls = AdmissionError if all(isinstance(e, AdmissionError) for e in errors) else EnvStartError
+            raise cls(f"fork of {n}: {len(errors)} children failed to start: {errors[0]}", env_id=env_id)
         return snap, children
 
     def delete_snapshot(self, snap_id: str) -> list[str]:
