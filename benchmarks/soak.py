@@ -47,7 +47,9 @@ RSS_BOUND = 64 << 20  # daemon VmRSS growth from warm-up to the end
 FD_BOUND = 16  # daemon open fds growth from warm-up to the end
 DISK_BOUND = 64 << 20  # home bytes growth outside the bounded caches
 E2B_EVERY = 4  # every 4th lifecycle goes through the E2B SDK
-RESOURCES = {'disk = "64MiB"': 'disk = "256MiB"', 'min = "64MiB"': 'min = "32MiB"'}
+# 32 lifecycles at a time hold up to 64 envs (each parent and its fork child): their guaranteed minimums
+# must fit the node (2 cores: 64 x 0.025), or admission refuses them, as it should
+RESOURCES = {'disk = "64MiB"': 'disk = "256MiB"', 'min = "64MiB"': 'min = "32MiB"', "min = 0.05": "min = 0.025"}
 
 
 # ------------------------------------------------------------------------------- node state
@@ -156,7 +158,7 @@ def _publish_debian(home: str, tar: Path, name: str) -> str:
         plan = os.path.join(home, f"{name}.toml")
         with open(plan, "w") as f:
             f.write(f'name = "{name}"\n\n[[groups]]\nname = "os"\nref = "debian:soak"\nclass = "os"\n\n'
-                    '[resources]\npids = 256\ndisk = "256MiB"\n\n[resources.cpu]\nmin = 0.05\nmax = 1.0\n\n'
+                    '[resources]\npids = 256\ndisk = "256MiB"\n\n[resources.cpu]\nmin = 0.025\nmax = 1.0\n\n'
                     '[resources.memory]\nmin = "32MiB"\nmax = "512MiB"\n')
         lock = os.path.join(home, f"{name}.lock.toml")
         write_plan(lock_plan(load_plan(plan), resolve_group), lock)
@@ -489,6 +491,8 @@ FAULTS: list[tuple[str, str, list[str]]] = [
      "the env runs on, nothing half-written; with room the commit works",
      ["tests/test_faults.py::test_commit_on_a_full_home_fails_clearly_and_leaves_nothing",
       "tests/test_layer_trees.py::test_a_queued_copy_becomes_a_tree_and_one_without_room_is_dropped_and_retried_later"]),
+    ("node full (admission) during a fork", "503 not_admitted (E2B: 429), the parent runs on, no child left",
+     ["tests/test_faults.py::test_a_fork_on_a_full_node_is_a_refusal_not_a_failure"]),
     ("env upper full", "ENOSPC inside the env only",
      ["tests/test_daemon.py::test_upper_dir_is_bounded_and_a_full_disk_only_fails_inside"]),
     ("memory pressure on the node", "admission refuses then grants; OOM kills inside the env within a bounded wait",
