@@ -103,11 +103,13 @@ def test_trees_written_for_other_host_ids_are_dropped_when_the_base_changes(tmp_
     make_tree(root / "sha256-aa", f("etc/passwd", b"root\n"))
     (root / "sha256-aa.size").write_text("5")
     assert trees_for_base(str(root), 0)  # no marker: written before user namespaces, for base 0
-    assert sorted(os.listdir(root)) == [".id-base", "sha256-aa", "sha256-aa.size"]
+    assert sorted(os.listdir(root)) == ["sha256-aa", "sha256-aa.size"]
     assert not trees_for_base(str(root), BASE)  # --userns now: root-owned trees would show as nobody's
-    assert os.listdir(root) == [".id-base"] and (root / ".id-base").read_text() == f"{BASE}\n"
+    assert os.listdir(root) == [] and (tmp_path / "layer-trees.id-base").read_text() == f"{BASE}\n"
     make_tree(root / "sha256-bb", f("x", b"x", uid=BASE, gid=BASE))
     assert trees_for_base(str(root), BASE) and (root / "sha256-bb").is_dir()
+    assert not trees_for_base(str(root), 0) and os.listdir(root) == []  # back to --no-userns: dropped
+    assert not (tmp_path / "layer-trees.id-base").exists()
 
 
 def test_a_layer_built_from_an_upper_records_the_envs_ids(tmp_path):

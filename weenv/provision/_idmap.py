@@ -186,7 +186,7 @@ def is_v2_capability(value: bytes) -> bool:
     return len(value) >= 4 and value[3] == 0x02
 
 
-ID_BASE_MARKER = ".id-base"
+ID_BASE_MARKER = ".id-base"  # a sibling of the trees directory: <root>.id-base
 
 
 def trees_for_base(root: str, base: int) -> bool:
@@ -196,7 +196,7 @@ def trees_for_base(root: str, base: int) -> bool:
     the store or the registry): otherwise they all go, and are made again. A directory without a
     marker was written before user namespaces, for base 0. True when the trees were kept."""
     os.makedirs(root, mode=0o700, exist_ok=True)
-    marker = os.path.join(root, ID_BASE_MARKER)
+    marker = os.path.normpath(root) + ID_BASE_MARKER
     try:
         with open(marker) as f:
             had = int(f.read().strip() or 0)
@@ -207,8 +207,6 @@ def trees_for_base(root: str, base: int) -> bool:
     kept = had == base
     if not kept:
         for name in os.listdir(root):
-            if name == ID_BASE_MARKER:
-                continue
             path = os.path.join(root, name)
             trash = os.path.join(root, f".trash-ids-{secrets.token_hex(4)}")
             os.rename(path, trash)  # out of use at once, then removed
@@ -216,6 +214,10 @@ def trees_for_base(root: str, base: int) -> bool:
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.unlink(trash)
+    if base == 0:  # no marker means base 0 (as before user namespaces)
+        if os.path.lexists(marker):
+            os.unlink(marker)
+        return kept
     tmp = f"{marker}.tmp"
     with open(tmp, "w") as f:
         f.write(f"{base}\n")
