@@ -26,6 +26,7 @@ ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOKEN = "cluster-test-token"
+PUBLISHED: dict[str, str] = {}  # the published snapshot, for the restarted client's test
 
 
 def _publish_plans(host: str, work: Path) -> tuple[dict, dict]:
@@ -215,6 +216,9 @@ def test_a_published_snapshot_forked_onto_node_c(rw):
         assert ref.startswith(f"{rw.registry_host}/ct/snaps:snap-")
         lock = load_published(ref)  # any client reads it from the store
         assert lock["groups"][-1]["registry"] == rw.registry_host
+        snap = ref.rsplit(":", 1)[1]
+        assert any(s.id == snap and s.ref == ref for s in c.report(a).snapshots)  # the home says it is published
+        PUBLISHED["snapshot"] = snap
         child = c.create(snapshot=ref, node=node_c)
         assert child.node == node_c
         assert child.exec("cat /root/state").stdout.decode() == "published-state\n"
@@ -252,6 +256,12 @@ def test_a_restarted_gateway_rebuilds_routing_from_node_reports(rw):
         try:
             fresh.wait_ready(30, nodes=3)
             routes = fresh.routes()
+            if "snapshot" in PUBLISHED:  # by its id too: a fresh client finds its ref in the home's report
+                snap = PUBLISHED["snapshot"]
+                home = next(r.node for r in fresh.reconciler.reports() if any(x.id == snap for x in r.snapshots))
+                moved = fresh.create(snapshot=snap, node=next(n for n in rw.node_names() if n != home))
+                assert moved.exec("cat /root/state").stdout == b"published-state\n"
+                moved.kill()
             for e in envs:
                 assert routes[e.id] == e.node
                 assert fresh.get(e.id).exec("echo ok").stdout == b"ok\n"

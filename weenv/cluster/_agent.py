@@ -171,7 +171,9 @@ class NodeAgent:
             self.daemon_pid = int(ping["pid"])
             top = self._get("/v1/top")
             envs = envs_from(self._get("/v1/envs"))
-            snaps = snapshots_from(self._get("/v1/snapshots"))
+            published = self._published()  # what this node pushed to the cluster's store
+            snaps = [msgspec.structs.replace(x, ref=published[x.id]) if x.ref is None and x.id in published else x
+                     for x in snapshots_from(self._get("/v1/snapshots"))]
             capacity = capacity_from_top(top, envs=len(envs), live={e.id for e in envs})
         except (httpx.HTTPError, ValueError, KeyError, ClusterError) as e:
             healthy, problem = False, f"daemon at {self.socket}: {e}"
@@ -254,9 +256,31 @@ class NodeAgent:
 
     def publish_snapshot(self, token: str | None, snapshot_id: str, repo: str) -> dict[str, Any]:
         """Push every layer of a snapshot held here to ``repo`` (``host[:port]/name``, the cluster's
-        store) and tag ``repo:<snapshot id>`` with the lock that starts it on any node."""
+        store) and tag ``repo:<snapshot id>`` with the lock that starts it on any node. Reports
+        name its ref from then on (kept in ``$WEENV_HOME/cluster-published.json``)."""
         self._check(token)
-        return publish_snapshot(self._get(f"/v1/snapshots/{snapshot_id}"), repo, home=self.home, node=self.node)
+        rec = publish_snapshot(self._get(f"/v1/snapshots/{snapshot_id}"), repo, home=self.home, node=self.node)
+        with self._lock:
+            published = self._published()
+            published[snapshot_id] = rec["ref"]
+            tmp = self._published_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(published, f)
+            os.replace(tmp, self._published_path)
+        self._refresh()
+        return rec
+
+    @property
+    def _published_path(self) -> str:
+        return os.path.join(self.home, "cluster-published.json")
+
+    def _published(self) -> dict[str, str]:
+        try:
+            with open(self._published_path) as f:
+                data = json.load(f)
+            return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
 
     def stop(self, token: str | None, *, stop_daemon: bool = False, kill_envs: bool = False) -> dict[str, Any]:
         """Stop reporting; with ``stop_daemon`` also stop the daemon (its envs too with ``kill_envs``)."""

@@ -265,7 +265,8 @@ class Cluster:
             known = self._by_ray_id.get(ray_id)
             if not node.get("Alive"):
                 if known is not None:
-                    self.reconciler.mark_lost(known, "Ray reports its node dead")
+                    with self._lock:
+                        self.reconciler.mark_lost(known, "Ray reports its node dead")
                 continue
             if known is not None:
                 continue
@@ -284,7 +285,7 @@ class Cluster:
             with self._lock:
                 self.clients[client.name] = client
                 self._by_ray_id[ray_id] = client.name
-            self.reconciler.add(_RayAgent(client))
+                self.reconciler.add(_RayAgent(client))
 
     def start(self) -> "Cluster":
         self.sync_nodes()
@@ -482,7 +483,18 @@ class Cluster:
     def _published_record(self, snapshot: str) -> dict[str, Any] | None:
         with self._lock:
             rec = self._published.get(snapshot)
-        if rec is not None or "/" not in snapshot:
+            reports = self.reconciler.reports(usable_only=False)
+        if rec is None and "/" not in snapshot:  # an id: published if its home's report names a ref
+            held = [(r.node, s) for r in reports for s in r.snapshots if s.id == snapshot and s.ref]
+            if not held:
+                return None
+            home, snap = held[0]
+            rec = {"id": snapshot, "ref": snap.ref, "lock": load_published(snap.ref or ""), "home": home,
+                   "layers": list(snap.layers)}
+            with self._lock:
+                self._published[snapshot] = rec
+            return rec
+        if rec is not None:
             return rec
         lock = load_published(snapshot)  # a ref: read from the cluster's store (any client, any restart)
         rec = {"id": snapshot.rsplit(":", 1)[-1], "ref": snapshot, "lock": lock, "home": None, "layers": []}
@@ -556,6 +568,7 @@ class Cluster:
         if home is None:
             raise ClusterError(f"no node holds snapshot {snapshot!r}")
         rec = self._client(home).publish_snapshot(snapshot, self.store)
+        self._refresh_one(home)  # its report names the ref now
         with self._lock:
             self._published[snapshot] = rec
             self._published[rec["ref"]] = rec
