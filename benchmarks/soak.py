@@ -504,6 +504,27 @@ FAULTS: list[tuple[str, str, list[str]]] = [
 ]
 
 
+# what the campaign found (each fixed, with its regression test): shown under the tables, and beside the
+# fuzz target that found it
+FOUND: list[tuple[str, str, str]] = [
+    ("soak", "a fork whose children the node could not admit answered 500 start_failed (E2B: SandboxException), "
+     "not 503 not_admitted (E2B: 429)", "tests/test_faults.py::test_a_fork_on_a_full_node_is_a_refusal_not_a_failure"),
+    ("fault: envlet SIGSTOP", "reads and exec in envs blocked for as long as the envlet was stopped (the supervisor "
+     "started a second envlet that never came up); now a silent envlet is killed after its deadline",
+     "tests/test_faults.py::test_a_sigstopped_envlet_never_hangs_reads_forever"),
+    ("fault: daemon SIGKILL mid-commit/fork", "the env stayed frozen (re-adopted as paused though nobody paused "
+     "it), and a .commit-* temp blob stayed in the store past gc", "tests/test_faults.py::test_daemon_sigkill_during"),
+    ("fault: full disk", "a commit on a full disk failed with 'ExceptionGroup: Exceptions from Trio nursery "
+     "(1 sub-exception)'; now it names ENOSPC and $WEENV_HOME",
+     "tests/test_faults.py::test_commit_on_a_full_home_fails_clearly_and_leaves_nothing"),
+    ("fault: wall-clock jump", "TTLs counted wall time: a jump of an hour ahead killed every env with a TTL, one "
+     "back kept them", "tests/test_faults.py::test_a_wall_clock_jump_neither_expires_nor_keeps_envs"),
+    ("fuzz: Connect server-stream requests", "a Connect-Timeout-Ms of a latin-1 '²' (isdigit, not int) or of 400 "
+     "digits (a float overflow) was a 500",
+     "tests/test_fuzz_api.py::test_a_connect_timeout_that_is_not_10_ascii_digits_is_ignored_not_a_500"),
+]
+
+
 def _junit(path: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for tc in ET.parse(path).getroot().iter("testcase"):
@@ -641,7 +662,15 @@ def render(result: dict[str, Any]) -> Path:
     lines += ["", "## Inputs fuzzed", "", "Hypothesis targets (and atheris where noted): only typed errors, no crash, "
               "no hang, bounded memory.", "", "| target | test | examples | duration | findings |", "|---|---|---|---|---|"]
     for r in result.get("fuzz", []):
-        lines.append(f"| {r['target']} | `{r['test']}` | {r['examples']} | {r['duration_s']:.1f} s | {r['findings'] or 'none'} |")
+        found = [what for where, what, _ in FOUND if where.startswith("fuzz: ") and r["target"].startswith(where[6:])]
+        findings = r["findings"] or ("fixed: " + "; ".join(found) if found else "none")
+        lines.append(f"| {r['target']} | `{r['test']}` | {r['examples']} | {r['duration_s']:.1f} s | {findings} |")
+    lines += ["", "## Found and fixed by this campaign", "", "| found by | what | regression test |", "|---|---|---|"]
+    lines += [f"| {where} | {what} | `{test}` |" for where, what, test in FOUND]
+    curve = soak.get("rss_curve") or []
+    if curve:
+        lines += ["", "Daemon RSS under load, every 10 % of the lifecycles: "
+                  + ", ".join(f"{n}: {rss >> 20} MiB" for n, rss, _ in curve) + "."]
     DOCS.write_text("\n".join(lines) + "\n")
     return DOCS
 
