@@ -8,9 +8,10 @@ after each report round. For a chunk of layer L the tier asks the peers that hol
 of a rendezvous hash of (L, the chunk's region of the blob) over those peers *and this node*, so
 every node of the cluster asks the same node first for the same region: that node (the region's
 owner) serves it from its disk cache or, when it does not hold it yet, fetches it once from the
-registry for everyone (:mod:`._peer_server`). When this node is the first in that order the tier
-answers "not here" at once and the registry is asked: a cold rollout costs the registry each byte
-about once, not once per node.
+registry for everyone (:mod:`._peer_server`). When this node is the first in that order, the
+peers after it are only asked whether they hold the chunks (a node that read the layer before
+does), and what none holds is fetched from the registry here: a cold rollout costs the registry
+each byte about once, not once per node.
 
 - Hedging: a peer that has not answered (any status, 1xx included) within ``peer.hedge_ms``
   (150 ms) is given up on, and so is one whose body stalls for ``peer.stall_ms``; at most
@@ -275,8 +276,13 @@ class PeerTier(ChunkTier):
     def has(self, chunk: Chunk) -> bool | None:
         return None if self.peers else False  # who holds a chunk is only known by asking
 
-    def order(self, layer: str, chunk: Chunk) -> list[str]:
-        """Nodes to ask for ``chunk`` of ``layer``, best first, up to this node (then: the next tier)."""
+    def order(self, layer: str, chunk: Chunk) -> list[tuple[str, bool]]:
+        """Peers to ask for ``chunk`` of ``layer``, best first, each with whether it may fetch it for us.
+
+        Peers the rendezvous order puts before this node own the region: they may fetch it (once,
+        for everyone). When this node comes first it owns the region: the peers after it are only
+        asked whether they hold it (a node that read the layer earlier does), then the next tier.
+        """
         now = time.monotonic()
         with self._lock:
             holders = [a for a, st in self.peers.items() if layer in st.layers and st.backoff_until <= now]
@@ -286,10 +292,12 @@ class PeerTier(ChunkTier):
         nodes = holders + ([self.self_address] if self.self_address else [])
         nodes.sort(key=lambda n: _hrw(key, n), reverse=True)
         out = []
+        owner = True
         for n in nodes:
             if n == self.self_address:
-                break  # we own this region: fetch it from the next tier (and serve it to the others)
-            out.append(n)
+                owner = False  # past us: we fetch this region from the next tier if nobody holds it
+                continue
+            out.append((n, owner and self.options.fetch_for_peers))
         return out[: self.options.k]
 
     def get(self, src: "LayerSource", chunks: Sequence[Chunk]) -> list[bytes | LayerError | None]:
@@ -297,7 +305,7 @@ class PeerTier(ChunkTier):
         layer = getattr(src, "digest", "") or ""
         if not layer or not self.peers:
             return out
-        groups: dict[tuple[str, ...], list[int]] = {}
+        groups: dict[tuple[tuple[str, bool], ...], list[int]] = {}
         for i, c in enumerate(chunks):
             order = tuple(self.order(layer, c))
             if order:
@@ -314,16 +322,16 @@ class PeerTier(ChunkTier):
                 fut.result()
         return out
 
-    def _fetch_group(self, layer: str, order: tuple[str, ...], chunks: list[Chunk], idx: list[int],
+    def _fetch_group(self, layer: str, order: tuple[tuple[str, bool], ...], chunks: list[Chunk], idx: list[int],
                      out: list) -> None:
         todo = list(range(len(chunks)))
-        for addr in order:
+        for addr, fetch in order:
             if not todo:
                 return
             want = [chunks[j] for j in todo]
             t0 = time.monotonic()
             try:
-                answers = self._request(addr, layer, want)
+                answers = self._request(addr, layer, want, fetch=fetch)
             except PeerTimeout as e:
                 log.info("peer %s: %s", addr, e)
                 self._penalise(addr, timeout=True)
@@ -386,7 +394,7 @@ class PeerTier(ChunkTier):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Conn(sock)
 
-    def _request(self, addr: str, layer: str, chunks: list[Chunk]) -> list[bytes | None]:
+    def _request(self, addr: str, layer: str, chunks: list[Chunk], *, fetch: bool = False) -> list[bytes | None]:
         """One POST /v1/chunks to ``addr``: each chunk's bytes or None (not held). Raises PeerError."""
         o = self.options
         start = time.monotonic()
@@ -398,9 +406,9 @@ class PeerTier(ChunkTier):
             h = h11.Connection(h11.CLIENT)
             head = h.send(h11.Request(method="POST", target=PATH, headers=[
                 ("Host", addr), ("Authorization", f"Bearer {o.token}"), ("Content-Length", str(len(body))),
-                ("X-Weenv-Layer", layer), ("X-Weenv-Fetch", "1" if o.fetch_for_peers else "0")]))
+                ("X-Weenv-Layer", layer), ("X-Weenv-Fetch", "1" if fetch else "0")]))
             conn.sock.settimeout(max(0.001, hedge_end - time.monotonic()))
-            conn.sock.sendall(head + body + h.send(h11.EndOfMessage()))
+            conn.sock.sendall(head + h.send(h11.Data(data=body)) + h.send(h11.EndOfMessage()))
             status, data = self._response(conn, h, hedge_end, start + o.fetch_timeout_s)
             if status in (401, 403):
                 raise PeerError(f"refused our cluster token ({status})")
