@@ -109,7 +109,9 @@ def test_gate_routes_and_refuses(home: str) -> None:
     token = app.state.tokens.mint("e-1")
     base = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": token}
     r = _call(app, "GET", "/health", headers={**base, "E2b-Sandbox-Port": "8080"})
-    assert r.status_code == 501 and "port 8080" in r.json()["message"]
+    assert r.status_code == 404 and "e-1" in r.json()["message"]  # a port of an env the API does not know
+    r = _call(app, "GET", "/proxy/e-1/8080/x")
+    assert r.status_code == 404 and "e-1" in r.json()["message"]
     r = _call(app, "GET", "/health", headers={"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-2")})
     assert r.status_code == 401
     assert app.state.metrics.auth_failures.labels("envd", "wrong_token")._value.get() == 1

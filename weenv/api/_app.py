@@ -44,6 +44,8 @@ from ._store import AccessTokens, KeyStore, OwnerTable, TemplateStore
 __all__ = ["Gate", "create_app", "serve"]
 
 _HOST_ROUTE = re.compile(r"^(\d{1,5})-([A-Za-z0-9][A-Za-z0-9_.-]{0,127})$")
+_PROXY_PATH = re.compile(r"^/proxy/([A-Za-z0-9][A-Za-z0-9_.-]{0,127})/(\d{1,5})(/.*)?$")
+_ENV_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def sandbox_target(headers: Headers, domain: str | None) -> tuple[str, int] | None:
@@ -93,15 +95,24 @@ class Gate:
         self.control, self.envd, self.state = control, envd, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket":  # nothing speaks WebSocket yet (the env port proxy will)
-            await receive()
-            await send({"type": "websocket.close", "code": 1008, "reason": "no WebSocket routes"})
-            return
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.control(scope, receive, send)
             return
         headers = Headers(scope=scope)
         target = sandbox_target(headers, self.state.domain)
+        path = scope["path"]
+        m = _PROXY_PATH.match(path) if target is None else None
+        if m is not None:
+            target, path = (m.group(1), int(m.group(2))), m.group(3) or "/"
+        elif target is not None:
+            path = scope.get("raw_path", path.encode()).decode("latin-1").split("?", 1)[0] or path
+        if target is not None and target[1] != ENVD_PORT:
+            await self._port(scope, receive, send, headers, target, path)
+            return
+        if scope["type"] == "websocket":  # only env ports speak WebSocket
+            await receive()
+            await send({"type": "websocket.close", "code": 1008, "reason": "no WebSocket routes but env ports"})
+            return
         surface = "envd" if target is not None else _surface(scope["path"])
         started = time.perf_counter()
         status_box = [0]
@@ -132,10 +143,6 @@ class Gate:
                 reason = "missing_token" if not headers.get("x-access-token") else "wrong_token"
                 self._failed(surface, reason, client, scope["path"])
                 return _refusal(surface, 401, "unauthorized", f"missing or wrong X-Access-Token for sandbox {env_id}")
-            if port != ENVD_PORT:
-                return Response(msgspec.json.encode({"code": 501, "message": (
-                    f"port {port} of sandbox {env_id}: weenv serve does not proxy env ports yet (only envd, "
-                    f"port {ENVD_PORT})")}), 501, media_type="application/json")
             scope["weenv.env"] = env_id
             return None
         presented = None
@@ -152,6 +159,60 @@ class Gate:
                             f"{hint} (keys: `weenv token create`)")
         scope["weenv.key"] = key
         return None
+
+    async def _port(self, scope: Scope, receive: Receive, send: Send, headers: Headers, target: tuple[str, int],
+                    path: str) -> None:
+        """A request for an env port (not envd): public unless the env was made with public traffic
+        off, then it needs the env's traffic token (``e2b-traffic-access-token``)."""
+        from ._proxy import Tunnel, TunnelError, proxy_http, proxy_websocket
+
+        env_id, port = target
+        started = time.perf_counter()
+        status = 101 if scope["type"] == "websocket" else 0
+
+        async def refuse(code: int, message: str) -> None:
+            nonlocal status
+            status = code
+            if scope["type"] == "websocket":
+                await receive()
+                await send({"type": "websocket.close", "code": 1008 if code in (401, 404) else 1011,
+                            "reason": message[:120]})
+            else:
+                await _refusal("e2b", code, "", message)(scope, receive, send)
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                self.state.metrics.latency.labels("port").observe(time.perf_counter() - started)
+            await send(message)
+
+        try:
+            rec = self.state.owners.env(env_id) if _ENV_ID.match(env_id) else None
+            if rec is None or not 1 <= port <= 65535:
+                await refuse(404, f"sandbox {env_id!r} not found" if rec is None else f"port {port} is not a port")
+                return
+            if rec.get("public_traffic") is False and \
+                    not self.state.tokens.verify_traffic(env_id, headers.get("e2b-traffic-access-token")):
+                self._failed("port", "missing_traffic_token" if not headers.get("e2b-traffic-access-token")
+                             else "wrong_traffic_token", scope.get("client") or ("?", 0), scope["path"])
+                await refuse(403, f"sandbox {env_id} takes traffic only with its e2b-traffic-access-token")
+                return
+            try:
+                tunnel = await Tunnel.open(self.state.backend.for_env(env_id), env_id, port)
+            except TunnelError as e:
+                await refuse(e.status, e.message)
+                return
+            try:
+                host = headers.get("host") or f"127.0.0.1:{port}"
+                if scope["type"] == "websocket":
+                    await proxy_websocket(scope, receive, send, tunnel, path, host)
+                else:
+                    await proxy_http(scope, receive, timed_send, tunnel, path, host)
+            finally:
+                await tunnel.aclose()
+        finally:
+            self.state.metrics.requests.labels("port", scope.get("method", "WS"), str(status or 500)).inc()
 
     def _signed(self, scope: Scope, env_id: str) -> bool:
         """A ``/files`` URL signed as the SDK's ``download_url``/``upload_url`` sign them: sha256 of

@@ -104,7 +104,8 @@ def _sandbox(state: ApiState, env_id: str, rec: dict[str, Any]) -> dict[str, Any
     """E2B's ``Sandbox`` (the answer of create, connect and fork)."""
     return {"templateID": rec.get("template") or "", "sandboxID": env_id, "clientID": "weenv",
             "envdVersion": ENVD_VERSION, "envdAccessToken": state.tokens.mint(env_id),
-            "trafficAccessToken": None, "domain": state.domain, "alias": rec.get("template")}
+            "trafficAccessToken": state.tokens.mint_traffic(env_id) if rec.get("public_traffic") is False else None,
+            "domain": state.domain, "alias": rec.get("template")}
 
 
 def _listed(info: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +181,28 @@ def _network_table(body: NewSandbox) -> dict[str, Any] | None:
     return policy
 
 
+_network_cache: dict[str, str] = {}
+
+
+def _plan_network(text: str) -> str:
+    """The network mode a lock's text asks for (``none`` when it names none), cached by its text."""
+    import hashlib
+
+    key = hashlib.sha256(text.encode()).hexdigest()
+    hit = _network_cache.get(key)
+    if hit is None:
+        try:
+            doc = msgspec.json.decode(text) if text.lstrip().startswith("{") else tomllib.loads(text)
+        except (ValueError, msgspec.DecodeError):
+            return "?"  # the daemon says what is wrong with it
+        net = doc.get("network") if isinstance(doc, dict) else None
+        hit = net if isinstance(net, str) else (net.get("mode", "none") if isinstance(net, dict) else "none")
+        if len(_network_cache) > 256:
+            _network_cache.clear()
+        _network_cache[key] = hit
+    return hit
+
+
 def _create_request(entry: dict[str, str], body: NewSandbox, timeout_s: int | None) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if timeout_s is not None:
@@ -203,6 +226,8 @@ def _create_request(entry: dict[str, str], body: NewSandbox, timeout_s: int | No
             raise HttpError(500, "template_unreadable", f"template lock {path}: {e.strerror}") from None
         if network is None:
             req = {"plan_text": text, "format": "json" if text.lstrip().startswith("{") else "toml", "source": path}
+            if _plan_network(text) == "none":
+                overrides["network"] = "loopback"  # an E2B sandbox has lo up (servers on localhost, get_host)
         else:
             try:
                 doc = msgspec.json.decode(text) if text.lstrip().startswith("{") else tomllib.loads(text)
@@ -233,6 +258,8 @@ async def create(request: Request) -> Response:
            "started_s": info.get("created_s") or time.time(), "timeout_s": timeout_s, "on_timeout": on_timeout}
     if on_timeout == "pause":
         rec["pause_at_s"] = time.time() + (timeout_s or DEFAULT_TIMEOUT_S)
+    if body.network is not None and body.network.allowPublicTraffic is False:
+        rec["public_traffic"] = False  # its ports need the traffic token
     state.owners.put_env(info["id"], rec)
     return _json(_sandbox(state, info["id"], rec), 201)
 

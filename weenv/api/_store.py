@@ -282,3 +282,15 @@ class AccessTokens:
     def verify(self, env_id: str, presented: str | None) -> bool:
         return bool(presented) and hmac.compare_digest(self.mint(env_id), presented or "")
 
+    def mint_traffic(self, env_id: str) -> str:
+        """The token for the env's ports when it was made with public traffic off (E2B's
+        ``trafficAccessToken``, sent as ``e2b-traffic-access-token``): another key than the access
+        token's, so handing out a port URL's token opens no envd."""
+        import base64
+
+        mac = hmac.new(self._key, b"env-traffic:" + env_id.encode(), hashlib.sha256).digest()
+        return "wet_" + base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+    def verify_traffic(self, env_id: str, presented: str | None) -> bool:
+        return bool(presented) and hmac.compare_digest(self.mint_traffic(env_id), presented or "")
+

@@ -582,6 +582,17 @@ class Daemon:
             end = await call(m.wait_process(req.params["id"], pid, body.timeout_s))
             return json_response(wire.ProcessWait(pid=pid, end=end))
 
+        @r.route("POST", "/v1/envs/{id}/ports/{port}", stream_body=True, max_body_bytes=1 << 62)
+        async def port_tunnel(req: Request) -> Response | StreamResponse:
+            """A byte tunnel to a TCP port on the env's loopback: the request body (chunked, as it
+            comes) goes to the port, what the port sends is the chunked answer; the request body's
+            end is a half-close. ``weenv serve`` proxies HTTP and WebSocket through it."""
+            port = req.params["port"]
+            if not port.isdigit():
+                raise HTTPError(400, "bad_request", f"port {port!r} is not a number")
+            sock = trio.socket.from_stdlib_socket(await call(m.open_port(req.params["id"], int(port))))
+            return StreamResponse(partial(_relay_port, req, trio.SocketStream(sock)), 200, "application/octet-stream")
+
         @r.route("GET", "/v1/envs/{id}/files", query=wire.FilesQuery)
         async def files_get(req: Request) -> Response:
             q: wire.FilesQuery = req.q
@@ -717,6 +728,31 @@ class Daemon:
                 log.exception("exec stream failed")
                 final = wire.ExecFrame(error=error_info(500, "internal", f"{type(e).__name__}: {e}", in_stream=True))
         await send(wire.encode(final) + b"\n")
+
+
+async def _relay_port(req: Request, stream: trio.SocketStream, send: Any) -> None:
+    """Both ways at once until the port closes; the client's end of body half-closes toward the port."""
+    async with stream:
+        async with trio.open_nursery() as nursery:
+
+            async def upstream() -> None:
+                try:
+                    while chunk := await req.receive_chunk(1):
+                        await stream.send_all(chunk)
+                    await stream.send_eof()
+                except (HTTPError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    nursery.cancel_scope.cancel()  # the client went away, or the port did
+
+            nursery.start_soon(upstream)
+            while True:
+                try:
+                    data = await stream.receive_some(1 << 16)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                if not data:
+                    break
+                await send(data)
+            nursery.cancel_scope.cancel()
 
 
 def _pid(req: Request) -> int:

@@ -637,6 +637,44 @@ class EnvManager:
         self._running(env_id)
         return await self.runtime.wait_process(env_id, pid, timeout_s)
 
+    async def open_port(self, env_id: str, port: int) -> socket.socket:
+        """A TCP connection to ``port`` on the env's own loopback (``weenv serve``'s port proxy,
+        E2B's ``get_host``). The socket is made in a thread that entered the env's network namespace
+        (a socket stays in the namespace it was made in; the thread is never reused), so the env
+        needs no interface for it."""
+        from ._runtime import CLONE_NEWNET, _check, _libc, in_fresh_thread
+
+        rec = self._running(env_id)
+        if not rec.init_pid:
+            raise EnvStateError("has no init process to find its network in", env_id=env_id)
+        if not 1 <= port <= 65535:
+            raise EnvStateError(f"port {port} is not a TCP port (1-65535)", env_id=env_id)
+        init_pid = rec.init_pid
+
+        def connect() -> socket.socket:
+            fd = os.open(f"/proc/{init_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _check(_libc.setns(fd, CLONE_NEWNET), "enter the env's network namespace")
+            finally:
+                os.close(fd)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(5.0)
+                sock.connect(("127.0.0.1", port))
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
+        try:
+            return await trio.to_thread.run_sync(in_fresh_thread, connect)  # type: ignore[no-any-return]
+        except (ConnectionRefusedError, TimeoutError, socket.timeout):
+            raise EnvStateError(f"port {port} is not open (nothing listens on 127.0.0.1:{port} in the env)",
+                                env_id=env_id) from None
+        except FileNotFoundError:
+            raise EnvStateError("its init process is gone", env_id=env_id) from None
+
     async def files(self, env_id: str, op: str, path: str, *, data: bytes = b"", mode: int = 0o644,
                     user: str | None = None, recursive: bool = False, max_bytes: int | None = None) -> Any:
         """read | write | list | stat | mkdir | remove, resolved inside the env's rootfs."""
