@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc docker-registry crun busybox-static zstd \
-	mmdebstrap skopeo umoci iproute2 nftables git catatonit libc6-dev runsc
+	mmdebstrap skopeo umoci iproute2 nftables git catatonit libc6-dev runsc prometheus
 PYTEST_ARGS ?=
 
 .PHONY: setup apt venv demo test bench bench-quick soak soak-quick clean
