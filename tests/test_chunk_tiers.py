@@ -24,7 +24,7 @@ from weenv.testing import FakeChunkTier
 
 from .layertrees import f, make_tar
 
-KINDS = ["memory", "disk", "registry-remote", "registry-layout", "fake"]
+KINDS = ["memory", "disk", "registry-remote", "registry-layout", "fake", "peer"]
 
 
 def built(*nodes, **kw) -> tuple[bytes, Layer]:
@@ -46,6 +46,7 @@ class Harness:
     source_of_truth: bool = False  # holds the blob itself: "put" keeps nothing, every chunk is there
     bounded: bool = False
     corrupt_file: str | None = None  # where the tier's bytes live, for corrupting them
+    remote_cache: object = None  # peer: the serving node's disk cache (what the tier's peer holds)
     closers: list = field(default_factory=list)
 
     def chunks(self) -> list[tuple[Chunk, bytes]]:
@@ -60,7 +61,10 @@ class Harness:
         return self.tier.get(self.src, chunks)
 
     def hold(self, items: list[tuple[Chunk, bytes]]) -> None:
-        if not self.source_of_truth:
+        if self.remote_cache is not None:  # the peer holds them; this node's tier keeps nothing
+            for c, data in items:
+                self.remote_cache.put(c.digest, data)  # type: ignore[attr-defined]
+        elif not self.source_of_truth:
             self.tier.put(items)
 
     def corrupt(self, chunk: Chunk) -> None:
@@ -70,6 +74,8 @@ class Harness:
             return
         if self.kind == "disk":
             path, offset, _ = self.tier.cache.locate(chunk.digest)
+        elif self.kind == "peer":
+            path, offset, _ = self.remote_cache.locate(chunk.digest)  # type: ignore[attr-defined]
         else:
             path, offset = self.corrupt_file, chunk.offset + chunk.length // 2
         with open(path, "r+b") as fh:
@@ -95,6 +101,8 @@ def harness(request: pytest.FixtureRequest, tmp_path) -> Iterator[Harness]:  # t
     if kind in ("memory", "disk"):
         (tier,) = load_tiers([kind], config)
         h = Harness(kind, tier, m, blob, lay, LayerSource("t", BytesReader(blob)), bounded=True)
+    elif kind == "peer":  # a real peer server (over its own disk cache) on 127.0.0.1, a real client
+        h = _peer_harness(tmp_path, m, blob, lay, digest)
     elif kind == "fake":
         h = Harness(kind, FakeChunkTier(capacity_bytes=1 << 20), m, blob, lay, LayerSource("t", BytesReader(blob)),
                     bounded=True)
@@ -122,6 +130,41 @@ def harness(request: pytest.FixtureRequest, tmp_path) -> Iterator[Harness]:  # t
             close()
 
 
+def _peer_harness(tmp_path, m: Metrics, blob: bytes, lay: Layer, digest: str) -> Harness:
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from weenv.envlet._cache import DiskCache
+    from weenv.envlet._peer_server import PeerServer
+    from weenv.envlet._tier_peer import PeerOptions, PeerTier
+
+    served = Metrics()
+    cache = DiskCache(str(tmp_path / "peer-l2"), 1 << 20, served)
+    node = SimpleNamespace(l1=None, l2=cache, fetcher=SimpleNamespace(foreground_busy=False), by_name={},
+                           metrics=served)
+    server = PeerServer(node, PeerOptions(token="conformance", listen=("127.0.0.1", 0)))  # type: ignore[arg-type]
+    ready: queue.Queue = queue.Queue()
+
+    async def run() -> None:
+        async with trio.open_nursery() as n:
+            addr = await n.start(server.serve)
+            ready.put((addr, trio.lowlevel.current_trio_token(), n.cancel_scope))
+
+    t = threading.Thread(target=trio.run, args=(run,), daemon=True)
+    t.start()
+    addr, token, scope = ready.get(timeout=10)
+    tier = PeerTier(m, PeerOptions(token="conformance"))
+    tier.set_peers({addr: [digest]})
+
+    def stop() -> None:
+        trio.from_thread.run_sync(scope.cancel, trio_token=token)
+        t.join(10)
+
+    return Harness("peer", tier, m, blob, lay, LayerSource("t", BytesReader(blob), digest), remote_cache=cache,
+                   closers=[stop])
+
+
 # ------------------------------------------------------------------------------------- the contract
 
 
@@ -133,7 +176,8 @@ def test_a_chunk_the_tier_does_not_hold_is_never_answered_with_bytes(harness: Ha
         answers = harness.get(foreign[:1])
         assert isinstance(answers[0], LayerError)
         return
-    assert all(harness.tier.has(c) is False for c in foreign)
+    # a peer cannot tell without asking (None); the others know they lack them
+    assert all(harness.tier.has(c) is (None if harness.kind == "peer" else False) for c in foreign)
     assert harness.get(foreign) == [None] * len(foreign)
 
 
@@ -142,7 +186,8 @@ def test_put_then_get_gives_the_same_bytes(harness: Harness) -> None:
     harness.hold(items)
     chunks = [c for c, _ in items]
     assert harness.get(chunks) == [d for _, d in items]
-    assert [harness.tier.has(c) for c in chunks] == [None if harness.source_of_truth else True] * len(chunks)
+    remote = harness.source_of_truth or harness.remote_cache is not None
+    assert [harness.tier.has(c) for c in chunks] == [None if remote else True] * len(chunks)
     assert harness.get(chunks[2:4]) == [d for _, d in items[2:4]]  # any subset, any order of asking
     harness.tier.put(items)  # storing again is harmless
     assert harness.get(chunks[:1]) == [items[0][1]]
@@ -170,7 +215,10 @@ def test_a_tiers_wrong_bytes_are_caught_counted_and_fetched_from_the_next_tier(h
     else:  # the fetcher (fake) or the tier (registry) caught the bytes: counted, and the tier told
         assert harness.metrics.counters["verify_failures"] == 1 and st.rejected == 1
     assert fetcher.tier_stats["backstop"].hits == 1
-    if not harness.source_of_truth:  # the good bytes were written back over the bad ones
+    if harness.kind == "peer":  # the peer that sent them is penalised: not asked again for a while
+        assert harness.metrics.counters["peer_corrupt"] == 1
+        assert harness.get([victim]) == [None] and harness.tier.stats()["peers"]
+    elif not harness.source_of_truth:  # the good bytes were written back over the bad ones
         assert harness.get([victim]) == [good]
 
 
@@ -202,8 +250,12 @@ def test_tiers_come_from_configuration_and_bad_names_are_refused(tmp_path) -> No
     config = TierConfig(Metrics(), cache_dir=str(tmp_path))
     assert [t.name for t in load_tiers("memory,disk,registry", config)] == ["memory", "disk", "registry"]
     assert [t.name for t in load_tiers(["memory", "registry"], config)] == ["memory", "registry"]
-    with pytest.raises(TierConfigError, match=r"tiers\[2\] 'peer': no such tier .*_tier_peer.py"):
+    with pytest.raises(TierConfigError, match=r"tiers\[2\] 'nosuch': no such tier .*_tier_nosuch.py"):
+        load_tiers("memory,disk,nosuch,registry", config)
+    with pytest.raises(TierConfigError, match="peer tier: the cluster token is missing"):
         load_tiers("memory,disk,peer,registry", config)
+    peer = TierConfig(Metrics(), cache_dir=str(tmp_path), options={"peer.token": "t"})
+    assert [t.name for t in load_tiers("memory,disk,peer,registry", peer)] == ["memory", "disk", "peer", "registry"]
     with pytest.raises(TierConfigError, match=r"tiers\[1\] 'memory': named twice"):
         load_tiers("memory,memory", config)
     with pytest.raises(TierConfigError, match=r"tiers\[0\] 'Disk/x'"):
@@ -293,9 +345,16 @@ def test_the_cli_refuses_a_tier_list_it_cannot_build(tmp_path) -> None:
     from weenv.cli import main
 
     r = CliRunner().invoke(main, ["envlet", "serve", "--mountpoint", str(tmp_path / "m"), "--cache-dir",
-                                  str(tmp_path / "c"), "--tiers", "memory,disk,peer,registry"])
-    assert r.exit_code == 2 and "--tiers" in r.output and "tiers[2] 'peer': no such tier" in r.output
+                                  str(tmp_path / "c"), "--tiers", "memory,disk,nosuch,registry"])
+    assert r.exit_code == 2 and "--tiers" in r.output and "tiers[2] 'nosuch': no such tier" in r.output
     assert not (tmp_path / "m").exists()  # refused before anything was mounted or made
+    # the peer tier without the cluster token, or with a misspelt option: refused, naming the option
+    for opts, says in (([], "cluster token is missing"), (["peer.token=t", "peer.k=zero"], "peer.k=zero")):
+        r = CliRunner().invoke(main, ["envlet", "serve", "--mountpoint", str(tmp_path / "m"), "--cache-dir",
+                                      str(tmp_path / "c"), "--tiers", "memory,disk,peer,registry",
+                                      *[a for o in opts for a in ("--tier-option", o)]])
+        assert r.exit_code == 2 and "--tier-option" in r.output and says in r.output, r.output
+    assert not (tmp_path / "m").exists()
 
 
 def test_a_new_tier_is_one_module_named_after_it(tmp_path, monkeypatch) -> None:

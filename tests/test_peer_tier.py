@@ -14,6 +14,7 @@ import os
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -29,6 +30,14 @@ from .fixtures_envlet import mounts_under
 from .layertrees import f, make_tree
 
 TOKEN = "peer-test-cluster-token"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Node:
@@ -66,10 +75,10 @@ def nodes(tmp_path, registry) -> Iterator[Callable[..., Node]]:
     token_file.write_text(TOKEN + "\n")
     started: list[tuple[EnvletProcess, object]] = []
 
-    def start(name: str, *, token_file_path: str | None = None, **opts: str) -> Node:
+    def start(name: str, *, token_file_path: str | None = None, metrics_port: int | None = None, **opts: str) -> Node:
         base = tmp_path / name
         p = EnvletProcess(str(base / "mnt"), str(base / "cache"), str(base / "ctl.sock"),
-                          tiers=["memory", "disk", "peer", "registry"], deadline_s=20.0)
+                          tiers=["memory", "disk", "peer", "registry"], deadline_s=20.0, metrics_port=metrics_port)
         options = {"peer.listen": "127.0.0.1:0", "peer.token_file": token_file_path or str(token_file), **opts}
         for k, v in options.items():
             p.args += ["--tier-option", f"{k}={v}"]
@@ -106,7 +115,8 @@ def link(*ns: Node, layer: str) -> None:
 def test_a_layer_read_on_a_is_fetched_by_b_from_a(tmp_path, registry, nodes, weenv_home):
     files = {"big": os.urandom(3_000_000), **{f"small/{i}": os.urandom(2000 + i) for i in range(40)}}
     g = publish_layer(tmp_path, registry, "ab", files)
-    a, b = nodes("a"), nodes("b")
+    port = _free_port()
+    a, b = nodes("a"), nodes("b", metrics_port=port)
     a.register(g)
     b.register(g)
     for k, v in files.items():
@@ -126,6 +136,18 @@ def test_a_layer_read_on_a_is_fetched_by_b_from_a(tmp_path, registry, nodes, wee
     assert "registry" not in sb["layer_tiers"][g.layer_digest]
     assert sb["peer"]["tier"]["peers"][a.address]["chunks"] > 0
     assert sum(sb["peer_latency"]["counts"]) == sb["peer_requests"] > 0
+    # weenv cache stats and Prometheus say the same
+    from click.testing import CliRunner
+
+    from weenv.cli import main
+
+    out = CliRunner().invoke(main, ["cache", "stats", "--control-socket", b.proc.control_socket]).output
+    assert f"peer {a.address}" in out and f"layer {g.layer_digest[7:19]}" in out and "peers " in out, out
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    value = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert value["weenv_envlet_peer_bytes_total"] == sb["peer_bytes"]
+    assert f'weenv_envlet_layer_tier_bytes_total{{layer="{g.layer_digest}",tier="peer"}}' in text
+    assert "weenv_envlet_peer_fetch_seconds_count" in text
 
 
 def test_a_killed_mid_transfer_b_completes_from_the_registry(tmp_path, registry, nodes, weenv_home):

@@ -62,6 +62,13 @@ def serve_cmd(mountpoint: str, cache_dir: str, cache_size: int, memory_cache_siz
         if not eq or not key.strip():
             raise click.BadParameter(f"{opt!r} (the {i + 1}. one) is not KEY=VALUE", param_hint="--tier-option")
         options[key.strip()] = value
+    if "peer" in tiers.split(",") or any(k.startswith("peer.") for k in options):
+        from ..envlet._tier_peer import PeerOptions
+
+        try:
+            PeerOptions.from_options(options)
+        except TierConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--tier-option") from None
     if not env_cgroup or "/" in env_cgroup or env_cgroup in (".", ".."):
         raise click.BadParameter(f"{env_cgroup!r} is not a cgroup name (one path component)", param_hint="--env-cgroup")
     serve(mountpoint, cache_dir, cache_size_bytes=cache_size, memory_cache_size_bytes=memory_cache_size,
@@ -146,6 +153,27 @@ def stats_cmd(control_socket: str, as_json: bool) -> None:
     for name, t in s.get("tiers", {}).items():
         stdout.print(f"tier {name:<9} {t['hits']} hits ({human_bytes(t['hit_bytes'])}), {t['misses']} misses, "
                      f"{t['rejected']} rejected, {t['errors']} errors")
+    peer = s.get("peer") or {}
+    if peer.get("tier") is not None:
+        lat = s["peer_latency"]
+        n = sum(lat["counts"])
+        stdout.print(f"peers      {s['peer_requests']} requests, {s['peer_chunks']} chunks "
+                     f"({human_bytes(s['peer_bytes'])}, mean {1000 * lat['sum_s'] / n if n else 0.0:.1f} ms), "
+                     f"{s['peer_misses']} misses, {s['peer_errors']} errors, {s['peer_timeouts']} timeouts, "
+                     f"{s['peer_corrupt']} corrupt")
+        for addr, p in peer["tier"]["peers"].items():
+            backoff = f", backed off {p['backoff_s']:.1f} s" if p["backoff_s"] else ""
+            stdout.print(f"peer {addr:<21} {p['layers']} layers, {p['chunks']} chunks ({human_bytes(p['bytes'])}), "
+                         f"{p['errors']} errors, {p['timeouts']} timeouts, {p['corrupt']} corrupt{backoff}")
+    if peer.get("server") is not None:
+        sv = peer["server"]
+        stdout.print(f"serving    {sv['address']} ({'on' if sv['serving'] else 'drained'}): "
+                     f"{s['peer_served_requests']} requests, {s['peer_served_chunks']} chunks "
+                     f"({human_bytes(s['peer_served_bytes'])}), {s['peer_served_fetches']} fetched for peers, "
+                     f"{s['peer_refused']} refused, {s['peer_drained']} while drained")
+    for layer, per in s.get("layer_tiers", {}).items():
+        parts = ", ".join(f"{t} {v['chunks']} chunks ({human_bytes(v['bytes'])})" for t, v in per.items())
+        stdout.print(f"layer {layer[7:19]:<12} {parts}")
     for env, u in sorted(s.get("envs", {}).items(), key=lambda kv: -kv[1]["busy_s"])[:20]:
         reqs = ", ".join(f"{n} {op}" for op, n in u["requests"].items() if n)
         stdout.print(f"env {env:<14} {u['busy_s'] * 1000:.0f} ms busy, {human_bytes(u['read_bytes'])} read, "
