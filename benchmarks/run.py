@@ -28,6 +28,7 @@ BENCHMARKS = [
     ("start", "warm start through the daemon vs bare crun run", 900),
     ("runtimes", "crun vs gVisor: start latency and exec round trip in the same run", 900),
     ("isolation", "user namespaces: start latency and exec round trip with vs without, same run", 900),
+    ("e2b_api", "E2B SDK through weenv serve vs the native client: start, command, files, 64 at once", 900),
     ("network", "egress envs: start vs network = none, NAT vs loopback throughput", 900),
     ("snapshot", "pause, resume, commit, fork vs cp -a", 900),
     ("monitor_overhead", "monitor CPU per 100 envs", 900),
@@ -35,6 +36,7 @@ BENCHMARKS = [
     ("rollout", "slime rollout step: fresh env per sample vs fork per group", 1800),
     ("package", "task packaging: group per task vs image per task", 1800),
     ("cluster", "placement time at 1,000 nodes; cache-aware vs round-robin registry bytes", 600),
+    ("peer_tier", "K nodes cold-starting one image at once: registry bytes and start time, peer tier on vs off", 1800),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 
