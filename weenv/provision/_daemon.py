@@ -109,7 +109,7 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     node_name: str | None = msgspec.field(default_factory=lambda: os.environ.get("WEENV_NODE_NAME") or None)
     # every crun env in a user namespace: env ids 0..65535 are host ids userns_base.. (docs/security.md,
     # "User namespaces"; env WEENV_USERNS=0/1 sets the default)
-    userns: bool = msgspec.field(default_factory=lambda: _bool_env("WEENV_USERNS", False))
+    userns: bool = msgspec.field(default_factory=lambda: _bool_env("WEENV_USERNS", True))
     userns_base: int = 1 << 30  # _idmap.DEFAULT_BASE
 
 
