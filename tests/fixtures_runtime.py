@@ -141,11 +141,11 @@ class EnvHandle:
 
 
 def userns_idmap():
-    """With WEENV_USERNS=1 the runtime tests run their envs in a user namespace, as the daemon
-    does with ``--userns`` (docs/security.md, "User namespaces"); None otherwise."""
+    """The runtime tests run their envs in a user namespace, as the daemon does by default
+    (docs/security.md, "User namespaces"); with WEENV_USERNS=0 without one, as ``--no-userns``."""
     from weenv.provision._idmap import IdMap
 
-    return IdMap() if os.environ.get("WEENV_USERNS", "").strip().lower() in ("1", "true", "yes", "on") else None
+    return None if os.environ.get("WEENV_USERNS", "").strip().lower() in ("0", "false", "no", "off") else IdMap()
 
 
 def _into_range(rootfs: str, idmap) -> None:

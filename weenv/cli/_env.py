@@ -92,7 +92,7 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
               help="Start every env id with NAME- (1-12 of a-z0-9; a cluster routes ids by it) [default: $WEENV_NODE_NAME].")
 @click.option("--userns/--no-userns", default=None,
               help="Run every crun env in a user namespace: env root is an unprivileged host uid "
-                   "(docs/security.md) [default: $WEENV_USERNS, else off].")
+                   "(docs/security.md); --no-userns: env root is host root [default: on, or $WEENV_USERNS=0/1].")
 @click.option("--userns-base", type=click.IntRange(65536, 2**32 - 1 - 65536), default=None, metavar="UID",
               help="First host uid of the envs' id range (65536 ids) [default: 1073741824].")
 @click.option("--debug", is_flag=True)
