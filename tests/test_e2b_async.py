@@ -100,3 +100,55 @@ def test_concurrent_creates(served: Served) -> None:
     assert len({sid for sid, _ in results}) == 8
     owners = OwnerTable(os.path.join(served.home, "api"))
     assert not {sid for sid, _ in results} & set(owners.envs())  # killed: forgotten
+
+
+def test_async_commands_on_process_handles(served: Served) -> None:
+    """background + kill, stdin (one call and a stream), connect, list, envs/cwd/user/timeout,
+    a non-zero exit, and a pty, through the async SDK."""
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    async def main() -> None:
+        sbx = await e2b.AsyncSandbox.create("bb", timeout=120)
+        try:
+            out = await sbx.commands.run("echo $X; pwd; id -u", envs={"X": "y"}, cwd="/tmp", user="user")
+            assert out.stdout == "y\n/tmp\n1000\n"
+            with pytest.raises(e2b.CommandExitException) as err:
+                await sbx.commands.run("echo oops >&2; exit 7")
+            assert err.value.exit_code == 7 and err.value.stderr == "oops\n"
+            with pytest.raises(e2b.TimeoutException):
+                await sbx.commands.run("sleep 30", timeout=1)
+
+            h = await sbx.commands.run("sleep 1; echo later; sleep 60", background=True)
+            assert h.pid in {p.pid for p in await sbx.commands.list()}
+            await h.disconnect()
+            await asyncio.sleep(1.5)
+            again = await sbx.commands.connect(h.pid)
+            assert await sbx.commands.kill(h.pid) is True
+            with pytest.raises(e2b.CommandExitException) as err:
+                await again.wait()
+            assert err.value.stdout == "later\n" and err.value.exit_code == -1
+            assert await sbx.commands.kill(h.pid) is False
+
+            cat = await sbx.commands.run("cat", background=True, stdin=True)
+            await sbx.commands.send_stdin(cat.pid, "a\n")
+            async with sbx.commands.stream_input(cat.pid) as inp:  # a client stream, fed as it goes
+                await inp.send("b\n")
+                await inp.send(b"c\n")
+            await sbx.commands.close_stdin(cat.pid)
+            assert (await cat.wait()).stdout == "a\nb\nc\n"
+
+            got = bytearray()
+            term = await sbx.pty.create(PtySize(rows=24, cols=80), on_data=got.extend)
+            await sbx.pty.send_stdin(term.pid, b"stty size\n")
+            for _ in range(100):
+                if b"24 80" in got:
+                    break
+                await asyncio.sleep(0.05)
+            await sbx.pty.resize(term.pid, PtySize(rows=30, cols=90))
+            await sbx.pty.send_stdin(term.pid, b"stty size; exit 0\n")
+            await term.wait()
+            assert b"24 80" in got and b"30 90" in got, bytes(got)
+        finally:
+            await sbx.kill()
+
+    asyncio.run(main())

@@ -336,3 +336,27 @@ def test_slime_sandbox_pattern(sbx) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.1)
     assert sbx.files.read("/tmp/done.marker").strip() == "0"
     assert sbx.commands.run("cat /tmp/out.txt").stdout == "result\n"
+
+
+def test_silent_command_streams_carry_keepalives(sbx, served: Served) -> None:  # type: ignore[no-untyped-def]
+    """As envd: a Start stream with nothing to say sends a keepalive event every
+    Keepalive-Ping-Interval seconds (the SDK asks for 50; here 1)."""
+    import json
+    import struct
+
+    import httpx
+
+    msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "sleep 2.5; echo done"]}}).encode()
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": sbx._envd_access_token,
+               "Content-Type": "application/connect+json", "Keepalive-Ping-Interval": "1"}
+    r = httpx.post(served.url + "/process.Process/Start", content=struct.pack(">BI", 0, len(msg)) + msg,
+                   headers=headers, timeout=20)
+    body, events = r.content, []
+    while body:
+        flags, n = struct.unpack(">BI", body[:5])
+        events.append((flags, json.loads(body[5 : 5 + n])))
+        body = body[5 + n :]
+    kinds = [next(iter(e["event"])) if "event" in e else "end-of-stream" for _, e in events]
+    assert kinds[0] == "start" and kinds[-2:] == ["end", "end-of-stream"], kinds
+    assert kinds.count("keepalive") >= 2, kinds
+    assert events[-1] == (2, {})
