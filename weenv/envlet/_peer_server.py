@@ -142,6 +142,8 @@ class PeerServer:
                         return
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError, OSError, _Drained):
             return
+        except Exception:  # one peer's request must never take the envlet's loop down
+            log.exception("peer connection from %s failed", _peer_of(stream))
         finally:
             self.connections -= 1
 

@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import h11
@@ -191,10 +191,15 @@ class PeerTimeout(PeerError):
     pass
 
 
+class _Stale(Exception):
+    """A kept-alive connection the peer had closed before we used it (not the peer's fault)."""
+
+
 @dataclass
 class _Conn:
     sock: socket.socket
-    buf: bytearray = field(default_factory=bytearray)
+    reused: bool = False  # from the idle pool: the peer may have closed it meanwhile
+    answered: bool = False  # the peer began an answer on it
 
 
 def _hrw(key: bytes, node: str) -> bytes:
@@ -385,7 +390,9 @@ class PeerTier(ChunkTier):
         with self._lock:
             idle = self._idle.get(addr)
             if idle:
-                return idle.pop()
+                conn = idle.pop()
+                conn.reused = True
+                return conn
         host, port = parse_address(addr, "peer")
         try:
             sock = socket.create_connection((host, port), timeout=max(0.001, timeout_s))
@@ -396,10 +403,19 @@ class PeerTier(ChunkTier):
 
     def _request(self, addr: str, layer: str, chunks: list[Chunk], *, fetch: bool = False) -> list[bytes | None]:
         """One POST /v1/chunks to ``addr``: each chunk's bytes or None (not held). Raises PeerError."""
-        o = self.options
         start = time.monotonic()
+        conn = self._connect(addr, self.options.hedge_s)
+        if conn.reused:
+            try:
+                return self._request_on(conn, addr, layer, chunks, fetch, start)
+            except _Stale:  # the peer closed the idle connection: once more on a new one
+                conn = self._connect(addr, max(0.001, start + self.options.hedge_s - time.monotonic()))
+        return self._request_on(conn, addr, layer, chunks, fetch, start)
+
+    def _request_on(self, conn: _Conn, addr: str, layer: str, chunks: list[Chunk], fetch: bool,
+                    start: float) -> list[bytes | None]:
+        o = self.options
         hedge_end = start + o.hedge_s
-        conn = self._connect(addr, o.hedge_s)
         ok = False
         try:
             body = b"".join(ITEM.pack(c.digest, c.offset, c.length, c.ulength, 0, 0) for c in chunks)
@@ -434,6 +450,10 @@ class PeerTier(ChunkTier):
             if ok:
                 h.start_next_cycle()
             return out
+        except (_Stale, ConnectionError) as e:
+            if conn.reused and (isinstance(e, _Stale) or not conn.answered):
+                raise _Stale() from None
+            raise PeerError(str(e) or "closed the connection mid-answer") from None
         except socket.timeout:
             raise PeerTimeout("no answer within the hedge deadline" if time.monotonic() < hedge_end + o.stall_s
                               else f"answer stalled for {o.stall_s:g} s") from None
@@ -460,13 +480,13 @@ class PeerTier(ChunkTier):
                 conn.sock.settimeout(max(0.001, min(limit, end - now)))
                 part = conn.sock.recv(1 << 20)
                 if not part:
-                    raise PeerError("closed the connection mid-answer")
+                    raise _Stale() if conn.reused and not answered else PeerError("closed the connection mid-answer")
                 h.receive_data(part)
                 continue
             if isinstance(ev, h11.InformationalResponse):
-                answered = True  # 102: the peer is fetching the region for us
+                answered = conn.answered = True  # 102: the peer is fetching the region for us
             elif isinstance(ev, h11.Response):
-                answered = True
+                answered = conn.answered = True
                 status = ev.status_code
             elif isinstance(ev, h11.Data):
                 data += ev.data
