@@ -352,3 +352,34 @@ def test_the_rendezvous_order_agrees_across_nodes():
         assert len(firsts) == 1
         owners |= firsts
     assert len(owners) > 1  # regions spread over the nodes
+
+
+def test_a_kept_alive_connection_the_peer_closed_is_not_held_against_it(tmp_path):
+    """A pooled connection the peer closed meanwhile (idle timeout, restart) is retried once on a new one."""
+    import socket
+
+    from weenv.envlet import Metrics
+    from weenv.envlet._tier_peer import _Conn
+
+    from .test_chunk_tiers import _layer_blob, _peer_harness
+
+    blob, lay = _layer_blob()
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    m = Metrics()
+    h = _peer_harness(tmp_path, m, blob, lay, digest)
+    try:
+        items = h.chunks()
+        h.hold(items)
+        (addr,) = h.tier.peers
+        with socket.socket() as listener:  # a connection whose far end is already closed
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            stale = socket.create_connection(listener.getsockname())
+            far, _ = listener.accept()
+            far.close()
+        h.tier._idle[addr] = [_Conn(stale)]
+        assert h.get([items[0][0]]) == [items[0][1]]
+        assert m.counters["peer_errors"] == 0 and h.tier.stats()["peers"][addr]["backoff_s"] == 0
+    finally:
+        for close in h.closers:
+            close()
