@@ -107,11 +107,20 @@ def test_ranks_exactly_the_nodes_whose_daemon_admits(cluster, req):
 
 
 @settings(max_examples=300, deadline=None)
-@given(clusters, requests)
-def test_order_cache_bytes_then_home_then_least_committed(cluster, req):
-    ranked = place([n.report() for n in cluster], req)
-    keys = [(-c.cached_bytes, not c.home, c.committed_share, c.node) for c in ranked]
+@given(clusters, requests, st.sampled_from([0.0, 0.1, 0.25, 1.0]))
+def test_order_load_band_then_cache_bytes_then_home_then_least_committed(cluster, req, band):
+    ranked = place([n.report() for n in cluster], req, band=band)
+    if not ranked:
+        return
+    least = min(c.committed_share for c in ranked)
+    in_band = [c for c in ranked if c.committed_share <= least + band + 1e-9]
+    rest = ranked[len(in_band):]
+    # the nodes within the band of the least committed come first, and only they compete on cache
+    assert all(c.committed_share > least + band + 1e-9 for c in rest)
+    keys = [(-c.cached_bytes if (c.cached_bytes or c.home) else 1, not c.home, c.committed_share, c.node)
+            for c in in_band]
     assert keys == sorted(keys)
+    assert [(c.committed_share, c.node) for c in rest] == sorted((c.committed_share, c.node) for c in rest)
     by_name = {n.name: n for n in cluster}
     for c in ranked:  # cached bytes are the plan's bytes the node holds, each layer once
         held = {x.digest: x.size_bytes for x in by_name[c.node].layers}
@@ -154,16 +163,31 @@ REQ = PlacementRequest(layers=((DIGESTS[0], 300 * MiB), (DIGESTS[1], 50 * MiB)),
                        memory_min_bytes=256 * MiB, memory_max_bytes=1 * GiB)
 
 
-def test_cache_affinity_beats_a_less_committed_node():
-    cached = node("b", committed_cpu=1.5, layers=[LayerHeld(digest=DIGESTS[0], size_bytes=300 * MiB, where="tree")])
-    ranked = place([node("a"), cached, node("c")], REQ)
+def test_cache_affinity_beats_a_less_committed_node_within_the_load_band():
+    held = [LayerHeld(digest=DIGESTS[0], size_bytes=300 * MiB, where="tree")]
+    ranked = place([node("a"), node("b", committed_cpu=0.4, layers=held), node("c")], REQ)  # 20 % committed
     assert [c.node for c in ranked] == ["b", "a", "c"] and ranked[0].cached_bytes == 300 * MiB
+
+
+def test_cache_affinity_never_piles_envs_past_the_load_band():
+    # the benchmark's pile-up: every env went to the one node with the plan cached, however loaded
+    held = [LayerHeld(digest=DIGESTS[0], size_bytes=300 * MiB, where="tree")]
+    nodes = [node("a"), node("b", committed_cpu=1.5, layers=held), node("c", committed_cpu=0.2)]
+    assert [c.node for c in place(nodes, REQ)] == ["a", "c", "b"]  # b is 75 % committed, a 0 %
+    assert [c.node for c in place(nodes, REQ, band=1.0)] == ["b", "a", "c"]  # a band of all: cache first
+    assert [c.node for c in place(nodes, REQ, band=0.1)] == ["a", "c", "b"]
+
+
+def test_a_bad_band_setting_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("WEENV_PLACEMENT_BAND", "lots")
+    with pytest.raises(PlacementError, match="WEENV_PLACEMENT_BAND='lots'"):
+        place([node("a", layers=[LayerHeld(digest=DIGESTS[0], size_bytes=1, where="tree")])], REQ)
 
 
 def test_snapshot_home_breaks_a_tie_of_cached_bytes_and_a_local_snapshot_stays_home():
     req = PlacementRequest(cpu_min_cores=0.25, memory_min_bytes=64 * MiB, memory_max_bytes=GiB,
                            snapshot="snap-x", snapshot_home="c")
-    assert [c.node for c in place([node("a"), node("b"), node("c", committed_cpu=1.0)], req)][0] == "c"
+    assert [c.node for c in place([node("a"), node("b"), node("c", committed_cpu=0.4)], req)][0] == "c"
     local = PlacementRequest(cpu_min_cores=0.25, memory_min_bytes=64 * MiB, memory_max_bytes=GiB,
                              snapshot="snap-x", snapshot_home="c", snapshot_local=True)
     assert [c.node for c in place([node("a"), node("b"), node("c")], local)] == ["c"]

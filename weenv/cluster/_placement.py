@@ -7,10 +7,14 @@ Rules, in order (docs/cluster.md):
    too, the min fits in today's headroom, the sum of CPU mins fits in cores x overcommit. A node
    that is not accepting (daemon or envlet down, lost, draining) takes nothing. A node-local
    snapshot starts only on its home node.
-2. Most of the plan's bytes already on the node (envlet, layer trees, snapshot layers, layers seen).
-3. The snapshot's home node, for forks and envs from a snapshot.
-4. The least committed node: the larger of its CPU-min and memory-min shares.
-5. The node name, so that a decision is reproducible.
+2. The load band: only nodes whose committed share is within ``band`` (default 0.25, i.e. 25 % of
+   capacity; ``$WEENV_PLACEMENT_BAND``) of the least committed admitting node compete on rules
+   3-4; the others follow, least committed first. Cache affinity wins among comparably loaded
+   nodes but never piles every env on the one node that has the plan.
+3. Most of the plan's bytes already on the node (envlet, layer trees, snapshot layers, layers seen).
+4. The snapshot's home node, for forks and envs from a snapshot.
+5. The least committed node: the larger of its CPU-min and memory-min shares.
+6. The node name, so that a decision is reproducible.
 
 A group (n envs of one request, e.g. the forks of one snapshot) fills the best node up to what
 it admits, then the next: it spreads only when one node cannot take them all.
@@ -24,12 +28,29 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import os
+
 import msgspec
 
 from ._errors import PlacementError
 from ._report import NodeReport
 
 _EPS = 1e-9
+DEFAULT_BAND = 0.25
+
+
+def default_band() -> float:
+    """The load band (rule 2): ``$WEENV_PLACEMENT_BAND`` (a share of capacity, 0..1), else 0.25."""
+    text = os.environ.get("WEENV_PLACEMENT_BAND", "").strip()
+    if not text:
+        return DEFAULT_BAND
+    try:
+        band = float(text)
+    except ValueError:
+        band = -1.0
+    if not 0.0 <= band <= 1.0:
+        raise PlacementError(f"$WEENV_PLACEMENT_BAND={text!r}: give a share of capacity between 0 and 1 (e.g. 0.25)")
+    return band
 
 
 class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -115,7 +136,8 @@ def _cached(view: ClusterView, req: PlacementRequest) -> dict[int, int]:
     return cached
 
 
-def _ranked(view: ClusterView, req: PlacementRequest) -> tuple[list[int], dict[int, int], int]:
+def _ranked(view: ClusterView, req: PlacementRequest,
+            band: float | None = None) -> tuple[list[int], dict[int, int], int]:
     """Indices of the admitting nodes best first, the plan bytes each holds, the home's index."""
     cpu, mem_min, mem_max = req.cpu_min_cores, req.memory_min_bytes, req.memory_max_bytes
     nodes = view.nodes
@@ -127,18 +149,26 @@ def _ranked(view: ClusterView, req: PlacementRequest) -> tuple[list[int], dict[i
     # few nodes holding plan bytes (or the home) to sort ahead of the rest
     candidates = [i for i in view.order if (n := nodes[i]).accepting and mem_max <= n.ceiling
                   and mem_min <= n.mem_free and mem_min <= n.headroom and n.cpu_committed + cpu <= n.cpu_cap]
-    if not cached and home < 0:
+    if not candidates or (not cached and home < 0):
         return candidates, cached, home
+    # the load band (rule 2): candidates are in share order, so the band is a prefix of them
+    limit = nodes[candidates[0]].share + (default_band() if band is None else band) + _EPS
+    k = 0
+    while k < len(candidates) and nodes[candidates[k]].share <= limit:
+        k += 1
+    in_band, rest = candidates[:k], candidates[k:]
     boosted = cached.keys() | {home}
-    front = sorted((i for i in candidates if i in boosted),
+    front = sorted((i for i in in_band if i in boosted),
                    key=lambda i: (-cached.get(i, 0), i != home, nodes[i].share, nodes[i].name))
     front_set = set(front)
-    return front + [i for i in candidates if i not in front_set], cached, home
+    return front + [i for i in in_band if i not in front_set] + rest, cached, home
 
 
-def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None) -> list[Choice]:
-    """The nodes that admit ``req``, best first (at most ``limit``); empty when none does."""
-    order, cached, home = _ranked(view, req)
+def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None,
+         band: float | None = None) -> list[Choice]:
+    """The nodes that admit ``req``, best first (at most ``limit``); empty when none does.
+    ``band``: rule 2's load band (None: :func:`default_band`)."""
+    order, cached, home = _ranked(view, req, band)
     if limit is not None:
         del order[limit:]
     nodes = view.nodes
@@ -163,13 +193,13 @@ def _fits(n: _Node, req: PlacementRequest, want: int) -> int:
     return max(k, 0)
 
 
-def place_group(view: ClusterView, req: PlacementRequest, n: int) -> list[str]:
+def place_group(view: ClusterView, req: PlacementRequest, n: int, *, band: float | None = None) -> list[str]:
     """Nodes for ``n`` envs of ``req`` (one name per env, best node first): the best node takes as
     many as it admits, then the next. Raises PlacementError when the nodes cannot take all ``n``."""
     if n < 1:
         raise PlacementError(f"a group needs at least one env, got n={n}")
     out: list[str] = []
-    for i in _ranked(view, req)[0]:
+    for i in _ranked(view, req, band)[0]:
         node = view.nodes[i]
         out += [node.name] * _fits(node, req, n - len(out))
         if len(out) == n:
@@ -177,9 +207,9 @@ def place_group(view: ClusterView, req: PlacementRequest, n: int) -> list[str]:
     raise PlacementError(_why(view, req, n, len(out)))
 
 
-def place(reports: Sequence[NodeReport], req: PlacementRequest) -> list[Choice]:
+def place(reports: Sequence[NodeReport], req: PlacementRequest, *, band: float | None = None) -> list[Choice]:
     """:func:`rank` over fresh reports (build a :class:`ClusterView` once to place many envs)."""
-    return rank(ClusterView(reports), req)
+    return rank(ClusterView(reports), req, band=band)
 
 
 def _why(view: ClusterView, req: PlacementRequest, n: int, got: int) -> str:
