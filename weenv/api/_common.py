@@ -40,7 +40,8 @@ class ApiState:
     watchers: dict[str, Any] = field(default_factory=dict)
     tasks: Any = None
     """The server's task group (its lifespan), for work that outlives a request: command deadlines."""
-    kill_timers: int = 0
+    kill_timers: dict[tuple[str, int], Any] = field(default_factory=dict)
+    """(env id, pid) -> the cancel scope of that command's deadline timer."""
 
 
 class HttpError(Exception):

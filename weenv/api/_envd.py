@@ -519,13 +519,14 @@ def _end(end: ProcessEnd) -> dict[str, Any]:
     return {"exitCode": end.exit_code, "exited": True, "status": end.status or f"exit status {end.exit_code}"}
 
 
-async def _events(proc: AsyncProcess) -> AsyncIterator[dict[str, Any]]:
+async def _events(proc: AsyncProcess, state: ApiState) -> AsyncIterator[dict[str, Any]]:
     yield {"event": {"start": {"pid": proc.pid}}}
     try:
         async for ev in proc.events():
             if ev.data_b64 is not None and ev.stream is not None:
                 yield {"event": {"data": {ev.stream: base64.b64encode(ev.data_b64).decode()}}}
             elif ev.end is not None:
+                _ended(state, proc.env.id, proc.pid)  # its deadline has nothing left to kill
                 yield {"event": {"end": _end(ev.end)}}
                 return
     except DaemonError as e:
@@ -550,22 +551,36 @@ async def _kill_at(client: AsyncClient, env_id: str, pid: int, argv: list[str], 
 
 
 def _schedule_kill(view: EnvView, pid: int, argv: list[str], deadline: float | None) -> None:
-    tasks = view.state.tasks
+    """Kill the process at ``deadline`` (unless its end is seen first: :func:`_ended`)."""
+    tasks, timers = view.state.tasks, view.state.kill_timers
     if deadline is None or tasks is None:
         return
-    if view.state.kill_timers >= MAX_KILL_TIMERS:
+    if len(timers) >= MAX_KILL_TIMERS:
         log.warning("%d command deadlines pending: process %d in %s runs without one", MAX_KILL_TIMERS, pid,
                     view.env_id)
         return
+    key = (view.env_id, pid)
+    scope = anyio.CancelScope()
+    old = timers.pop(key, None)
+    if old is not None:
+        old.cancel()
+    timers[key] = scope
 
     async def timer() -> None:
-        view.state.kill_timers += 1
         try:
-            await _kill_at(view.client, view.env_id, pid, argv, deadline)
+            with scope:
+                await _kill_at(view.client, view.env_id, pid, argv, deadline)
         finally:
-            view.state.kill_timers -= 1
+            if timers.get(key) is scope:
+                del timers[key]
 
     tasks.start_soon(timer)
+
+
+def _ended(state: ApiState, env_id: str, pid: int) -> None:
+    scope = state.kill_timers.pop((env_id, pid), None)
+    if scope is not None:
+        scope.cancel()
 
 
 async def proc_start(view: EnvView, req: StartRequest, deadline: float | None) -> AsyncIterator[dict[str, Any]]:
@@ -589,7 +604,7 @@ async def proc_start(view: EnvView, req: StartRequest, deadline: float | None) -
     except WeenvError as e:
         raise ConnectError(Code.INVALID_ARGUMENT, str(e)) from None
     _schedule_kill(view, handle.pid, argv, deadline)
-    async for ev in _events(handle):
+    async for ev in _events(handle, view.state):
         yield ev
 
 
@@ -599,7 +614,7 @@ async def proc_connect(view: EnvView, req: SelectRequest, deadline: float | None
         handle = await _env(view).connect(pid)
     except DaemonError as e:
         raise _process_error(e, pid) from None
-    async for ev in _events(handle):
+    async for ev in _events(handle, view.state):
         yield ev
 
 
