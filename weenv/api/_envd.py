@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
-import json
 import posixpath
 import secrets
 import stat as stat_mod
