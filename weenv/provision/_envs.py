@@ -416,7 +416,9 @@ class EnvManager:
                 spec = own_cgroups_only(apply_userns(spec, self.idmap),
                                         [os.path.dirname(p) for p in cg.procs_paths()], self.backend.version)
                 if routing.get(ANNOTATION_RUNTIME, getattr(self.runtime, "name", "crun")) == "crun":
-                    spec = bundle_relative_paths(spec, bundle_dir, env_dir)  # runsc's gofer is host root
+                    spec = bundle_relative_paths(spec, bundle_dir, env_dir)
+                else:  # runsc starts its sandbox in the env's user namespace and takes absolute paths only
+                    open_path_for_range([os.path.dirname(self.envs_dir), self.envs_dir], self.idmap)
             return spec
 
         spec = await trio.to_thread.run_sync(bundle)
