@@ -135,7 +135,7 @@ def main() -> None:
     try:
         with bench_daemon("package", replace={'disk = "64MiB"': 'disk = "1GiB"', 'max = "512MiB"': 'max = "2GiB"'}) as d:
             os.environ["WEENV_HOME"] = d.home
-            from weenv._package import package_tasks
+            from weenv.build import package_tasks
             from weenv.plan import load_plan, lock_plan, write_plan
             from weenv.registry import LayoutStore, RemoteStore, publish, resolve_group
 

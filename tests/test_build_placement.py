@@ -11,7 +11,7 @@ import hashlib
 import pytest
 
 import weenv.plan as wp
-from weenv._build import BuildError, build
+from weenv.build import BuildError, build
 from weenv.plan import LockedGroup
 
 

@@ -165,7 +165,7 @@ def test_package_at_a_commit_with_setup_uploads_only_the_task(daemon, home, regi
 
 
 def test_gitignore_include_git_chown_and_workdir(daemon, home, registry, tmp_path):
-    from weenv._package import package
+    from weenv.build import package
 
     repo, c1, _ = two_commit_repo(tmp_path / "repo")
     plain = package(str(repo.path), base=daemon.plan_lock, ref=f"{registry.host}/opts:plain", commit=c1,
@@ -275,7 +275,7 @@ def test_batch_of_20_with_2_failures_is_resumable(daemon, home, registry, tmp_pa
 
 
 def test_bad_input_gets_clear_errors(daemon, home, tmp_path):
-    from weenv._package import PackageError, TasksFileError, load_tasks, package
+    from weenv.build import PackageError, TasksFileError, load_tasks, package
     from weenv.registry import NotFoundError, resolve_group
 
     repo, c1, _ = two_commit_repo(tmp_path / "repo")
@@ -331,7 +331,7 @@ def test_bad_input_gets_clear_errors(daemon, home, tmp_path):
 
 
 def test_names_urls_and_results_file(tmp_path):
-    from weenv._package import TaskRecord, is_git_url, plan_name, read_results
+    from weenv.build import TaskRecord, is_git_url, plan_name, read_results
 
     assert plan_name("Django__django-11099") == "django-django-11099"
     assert plan_name("___") == "task" and len(plan_name("x" * 200)) == 63

@@ -107,6 +107,11 @@ PUBLIC_API: dict[str, list[str]] = {
         "sampling_params", "slime_args", "source_tree", "start_proxy", "start_registry", "stop_proxy",
         "stop_registry", "teardown_private_daemon", "train_side_checks", "turns", "wait_for", "weenv_links",
     ],
+    "weenv.build": [
+        "BuildError", "PackageError", "StepFailedError", "TaskRecord", "TasksFileError", "build", "check_lock",
+        "default_results_path", "is_git_url", "load_tasks", "lock_with_image_defaults", "package", "package_tasks",
+        "plan_name", "read_results",
+    ],
     "weenv.cli": [
         "main",
     ],
@@ -178,7 +183,7 @@ def test_fakes_live_only_in_weenv_testing() -> None:
 
 
 def test_production_code_does_not_import_the_test_harness() -> None:
-    code = ("import sys, weenv, weenv.cli, weenv.envlet, weenv.layerfmt, weenv.net, weenv.plan, weenv.provision, "
+    code = ("import sys, weenv, weenv.build, weenv.cli, weenv.envlet, weenv.layerfmt, weenv.net, weenv.plan, weenv.provision, "
             "weenv.registry, slime_plugin, slime_plugin.rollout, slime_plugin.sandbox\n"
             "print(','.join(m for m in sys.modules if m.startswith(('weenv.testing', 'tests', 'benchmarks'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

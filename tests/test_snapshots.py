@@ -241,7 +241,7 @@ def test_commit_publish_and_cli(daemon):
 
 
 def test_build_runs_steps_caches_prefixes_and_publishes_nothing_on_failure(daemon, tmp_path):
-    from weenv._build import BuildError, build
+    from weenv.build import BuildError, build
 
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "app.sh").write_text("#!/bin/sh\necho app\n")

@@ -427,7 +427,7 @@ def snapshot_rm(snapshot_ids: tuple[str, ...]) -> None:
 @_api_errors
 def build_cmd(spec: str, ref: str | None, lock_out: str | None, as_json: bool) -> None:
     """Build a group from FROM + steps (RUN, COPY, ENV, WORKDIR, USER), with a step cache."""
-    from .._build import build
+    from ..build import build
 
     log = None if as_json else (lambda msg: stdout.print(msg))
     result = build(spec, ref=ref, lock_out=lock_out, log=log)

@@ -108,7 +108,7 @@ def package_cmd(repo: str | None, base: str | None, ref: str | None, commit: str
 
 
 def _single(repo: str, *, as_json: bool, **kw: Any) -> None:
-    from .._package import package
+    from ..build import package
 
     def on_stage(text: str) -> None:
         if not as_json:
@@ -126,7 +126,7 @@ def _single(repo: str, *, as_json: bool, **kw: Any) -> None:
 
 
 def _check(lock: str, smoke: str | None, as_json: bool) -> None:
-    from .._package import check_lock
+    from ..build import check_lock
 
     res = check_lock(lock, smoke)
     if as_json:
@@ -142,7 +142,7 @@ def _check(lock: str, smoke: str | None, as_json: bool) -> None:
 
 
 def _batch(tasks_path: str, *, as_json: bool, **kw: Any) -> None:
-    from .._package import load_tasks, package_tasks
+    from ..build import load_tasks, package_tasks
 
     live = not as_json and stderr.is_terminal
     total = len(load_tasks(tasks_path))  # a malformed file fails here, before any progress display
@@ -183,7 +183,7 @@ def _with_progress(tasks_path: str, total: int, kw: dict[str, Any]) -> Any:
     from rich.live import Live
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from .._package import default_results_path, package_tasks, read_results
+    from ..build import default_results_path, package_tasks, read_results
 
     already = read_results(kw.get("results_path") or default_results_path(tasks_path))
     lock = threading.Lock()

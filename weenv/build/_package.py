@@ -20,7 +20,7 @@ its publish sends only the blobs the target lacks: nothing when it was published
 Errors::
 
     WeenvError
-     └── BuildError                 (weenv._build)
+     └── BuildError                 (weenv.build._build)
           └── PackageError          a task cannot be packaged: repository, commit, dirty tree,
                │                    setup command, base, lock check
                └── TasksFileError   a tasks file line is malformed (names FILE:LINE)
@@ -47,7 +47,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from . import __version__, _home, layerfmt
+from .. import __version__, _home, layerfmt
 from ._build import (
     BuildError,
     Step,
@@ -60,7 +60,7 @@ from ._build import (
     squash_layers,
     tmp_dir,
 )
-from ._client import Client, WeenvError
+from .._client import Client, WeenvError
 
 DEFAULT_WORKDIR = "/repo"
 DEFAULT_SETUP_TIMEOUT_S = 1800.0
@@ -282,8 +282,8 @@ def export_tree(src: GitSource, dest: str, *, include_git: bool = False, gitigno
 
 def _load_base(base: Any) -> Any:
     """A plan lock from a path (a plan is locked now) or a Lock object."""
-    from .plan import Lock, PlanError, load_any, lock_plan
-    from .registry import RegistryError, resolve_group
+    from ..plan import Lock, PlanError, load_any, lock_plan
+    from ..registry import RegistryError, resolve_group
 
     if isinstance(base, Lock):
         return base
@@ -303,7 +303,7 @@ def _base_dir_attrs(base_lock: Any, paths: list[str]) -> dict[str, tuple[int, in
 
     Read from the groups' TOCs (a tail Range read each), once per base and path list.
     """
-    from .registry import RegistryError, open_layer_ref
+    from ..registry import RegistryError, open_layer_ref
 
     key = (tuple(g.layer_digest for g in base_lock.groups), tuple(paths))
     with _parent_cache_lock:
@@ -339,7 +339,7 @@ def _source_layer(src: GitSource, base_lock: Any, *, workdir: str, include_git: 
     Returns the :class:`~weenv.plan.LockedGroup` of the source layer. A tree already built with the
     same options and base is reused.
     """
-    from .registry import NotFoundError, publish_layer_file, resolve_group
+    from ..registry import NotFoundError, publish_layer_file, resolve_group
 
     parts = [p for p in workdir.strip("/").split("/") if p]
     parents = ["."] + ["/".join(parts[:i]) for i in range(1, len(parts))]
@@ -383,7 +383,7 @@ def _source_layer(src: GitSource, base_lock: Any, *, workdir: str, include_git: 
 
 
 def _group_from_info(info: Any, ref: str) -> Any:
-    from .plan import LockedGroup
+    from ..plan import LockedGroup
 
     return LockedGroup(name="task", ref=ref, group_class="task", digest=info.manifest_digest,
                        layer_digest=info.layer_digest, layer_size=info.layer_size, toc_digest=info.toc_digest,
@@ -419,7 +419,7 @@ def _package_cache_path(key: str) -> str:
 
 
 def _cache_get(key: str) -> dict[str, Any] | None:
-    from .registry import LayoutStore
+    from ..registry import LayoutStore
 
     try:
         with open(_package_cache_path(key), encoding="utf-8") as f:
@@ -455,7 +455,7 @@ def _publish(blob: str, ref: str, *, digest: str, source: str, annotations: dict
     refusal caused by a concurrent push elsewhere is retried."""
     import random
 
-    from .registry import RegistryError, parse_ref, publish_layer_file
+    from ..registry import RegistryError, parse_ref, publish_layer_file
 
     r = parse_ref(ref)
     with _publish_locks_guard:
@@ -480,7 +480,7 @@ def plan_name(text: str) -> str:
 
 
 def _default_name(ref: str, repo: str) -> str:
-    from .registry import parse_ref
+    from ..registry import parse_ref
 
     r = parse_ref(ref)
     return plan_name(r.tag if r.tag and r.tag != "latest" else os.path.basename(repo.rstrip("/")) or r.repo)
@@ -498,8 +498,8 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
     The setup snapshots are deleted once the task group is published unless ``keep_snapshots``
     (keep them to iterate on the setup commands with the step cache).
     """
-    from .plan import write_plan
-    from .registry import RegistryError, parse_ref
+    from ..plan import write_plan
+    from ..registry import RegistryError, parse_ref
 
     t0 = time.perf_counter()
     stage = on_stage or (lambda text: None)
@@ -558,7 +558,7 @@ def package(repo: str, *, base: Any, ref: str, commit: str | None = None, setup:
                 raise PackageError(f"{src.origin}: {e.strerror or e}: {e.filename or ''}") from None
             _cache_put(key, hit)
         stage("publish")
-        from .registry import LayoutStore
+        from ..registry import LayoutStore
 
         blob = LayoutStore(_home.store_dir()).blob_path(hit["layer_digest"])
         ann = {"dev.weenv.package.commit": src.commit, "dev.weenv.package.tree": src.tree}
@@ -622,7 +622,7 @@ def _run_setup(c: Client, base_lock: Any, src_group: Any, *, name: str, setup: l
 
 def _seal(digests: list[str], src_group: Any, *, origin: str) -> dict[str, Any]:
     """Squash the layers into the task layer, keep it (tagged) in the embedded store; its cache entry."""
-    from .registry import LayoutStore, publish_layer_file
+    from ..registry import LayoutStore, publish_layer_file
 
     if len(digests) == 1:  # no setup: the source layer is the task layer
         return {"layer_digest": src_group.layer_digest, "toc_digest": src_group.toc_digest,
@@ -843,7 +843,7 @@ def check_lock(lock_path: str, smoke: str | None = None, *, timeout_s: float | N
     :class:`PackageError` when the lock cannot be read or the env does not start; the smoke
     command's own failure is its exit code in the result, not an error.
     """
-    from .plan import PlanError, load_any
+    from ..plan import PlanError, load_any
 
     try:
         load_any(lock_path)

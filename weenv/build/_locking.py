@@ -6,11 +6,11 @@ takes them as defaults: the plan's own values win, and a higher group's image wi
 
 from __future__ import annotations
 
-from .plan import Lock, Plan, apply_image_defaults, lock_plan, plan_defaults_from_image
+from ..plan import Lock, Plan, apply_image_defaults, lock_plan, plan_defaults_from_image
 
 
 def lock_with_image_defaults(plan: Plan) -> Lock:
-    from .registry import image_config, resolve_group
+    from ..registry import image_config, resolve_group
 
     lock = lock_plan(plan, resolve_group)
     for g in reversed(lock.groups):  # top first: apply_image_defaults only fills what is still unset

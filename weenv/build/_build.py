@@ -32,8 +32,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from . import _home, layerfmt
-from ._client import Client, Env, WeenvError
+from .. import _home, layerfmt
+from .._client import Client, Env, WeenvError
 
 STEP_KINDS = ("run", "env", "workdir", "user", "copy")
 
@@ -319,8 +319,8 @@ def run_steps(c: Client, steps: list[Step], *, start: dict[str, Any] | str, key:
 
 def locked_group(pub: Any, *, name: str, group_class: str) -> Any:
     """The lock entry of a group just published (``pub``: a registry PublishResult)."""
-    from .plan import LockedGroup
-    from .registry import parse_ref
+    from ..plan import LockedGroup
+    from ..registry import parse_ref
 
     r = parse_ref(pub.ref)
     return LockedGroup(name=name, ref=pub.ref, group_class=group_class, digest=pub.digest,
@@ -335,7 +335,7 @@ def check_group_placement(base: Any, group: GroupOut, *, spec_path: str, frm: st
     the build writes; lock order is by class, bottom first (os, toolchain, harness, evaluator, task).
     A group whose class ranks below a group of the base would make a lock that weenv refuses.
     """
-    from .plan import GROUP_CLASSES
+    from ..plan import GROUP_CLASSES
 
     rank = GROUP_CLASSES.index(group.group_class)
     kept = [(i, g) for i, g in enumerate(base.groups) if g.name != group.name]  # a same-named group is replaced
@@ -356,8 +356,8 @@ def check_group_placement(base: Any, group: GroupOut, *, spec_path: str, frm: st
 def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None, client: Client | None = None,
           log: Any = None) -> BuildResult:
     """Run a build spec; returns the published group and the written plan lock."""
-    from .plan import Lock, PlanError, load_any, lock_plan, plan_from_builtins, plan_to_builtins, write_plan
-    from .registry import publish_layer_file, resolve_group
+    from ..plan import Lock, PlanError, load_any, lock_plan, plan_from_builtins, plan_to_builtins, write_plan
+    from ..registry import publish_layer_file, resolve_group
 
     spec = load_spec(spec_path)
     spec_dir = os.path.dirname(os.path.abspath(spec_path))
@@ -378,7 +378,7 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
             start_key = _sha("snapshot", frm, snap_info["layers"])
         else:
             if frm.startswith("image:"):
-                from .plan import Group, Plan
+                from ..plan import Group, Plan
 
                 plan = Plan(name=spec.group.name, groups=[Group(name="os", ref=frm[6:], group_class="os")])
             else:
@@ -406,7 +406,7 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
             pub = publish_layer_file(out_path, target_ref, group=spec.group.name, group_class=spec.group.group_class,
                                      digest=digest, source=f"weenv build {os.path.basename(spec_path)}")
         g = resolve_group(target_ref)
-        from .plan import LockedGroup
+        from ..plan import LockedGroup
 
         new_group = LockedGroup(name=spec.group.name, ref=target_ref, group_class=spec.group.group_class,
                                 digest=g.manifest_digest, layer_digest=g.layer_digest, layer_size=g.layer_size,
@@ -415,7 +415,7 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
         merged_env = {**base_lock.env, **done.env_vars}
         workdir = done.workdir or base_lock.workdir
         if workdir and workdir.startswith("/"):  # cleaned as Docker cleans WORKDIR: "/app/" is "/app"
-            from .plan._validate import normalised_path
+            from ..plan._validate import normalised_path
 
             workdir = normalised_path(workdir)
         out_lock = msgspec.structs.replace(base_lock, groups=groups, env=merged_env,
@@ -447,8 +447,8 @@ def tmp_dir() -> str | None:
 def squash_layers(digests: list[str], out_path: str, tmp: str) -> str:
     """Merge layers of the embedded store (bottom first, OCI whiteouts kept for what lies below)
     into one group layer at ``out_path``; returns its digest."""
-    from .registry import LayoutStore
-    from .registry._image import squash
+    from ..registry import LayoutStore
+    from ..registry._image import squash
 
     store = LayoutStore(_home.store_dir())
     spools = []
