@@ -79,7 +79,7 @@ def lock_for(plan: Plan) -> Lock:
     """A lock for ``plan``: locks pass through (never resolving a tag), plans are resolved now."""
     if is_locked(plan):
         return plan  # type: ignore[return-value]
-    from .._locking import lock_with_image_defaults
+    from ..build import lock_with_image_defaults
 
     return lock_with_image_defaults(plan)
 
