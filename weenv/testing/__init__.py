@@ -23,8 +23,11 @@ from ._daemon import busybox_plan as busybox_plan
 from ._daemon import leftovers as leftovers
 from ._daemon import teardown_private_daemon as teardown_private_daemon
 from ._daemon import wait_for as wait_for
+from ._escape import DOORS_SOURCE as DOORS_SOURCE
 from ._escape import PROBE_SOURCE as PROBE_SOURCE
+from ._escape import SHIPPED_DEVICES as SHIPPED_DEVICES
 from ._escape import attempts as attempts
+from ._escape import device_plan as device_plan
 from ._fixturecache import DEFAULT_ROOT as DEFAULT_ROOT
 from ._fixturecache import ENV_VAR as ENV_VAR
 from ._fixturecache import BadEntry as BadEntry
