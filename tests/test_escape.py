@@ -175,18 +175,22 @@ def device_lock(weenv_daemon) -> str:
     return device_plan(weenv_daemon.home)
 
 
-@pytest.fixture(params=["crun", "gvisor"])
-def runtime(request, device_lock, tmp_path) -> tuple[str, str]:
-    """(runtime, lock): the device plan as is (crun) or with runtime = "gvisor"."""
-    if request.param == "crun":
-        return "crun", device_lock
+def _lock_for(kind: str, device_lock: str, tmp_path) -> str:
+    if kind == "crun":
+        return device_lock
     reason = _runsc_skip_reason()
     if reason:
         print(f"SKIP gVisor escape tests: {reason}")
         pytest.skip(reason)
     path = tmp_path / "gvisor.lock.toml"
     path.write_text('runtime = "gvisor"\n' + open(device_lock).read())
-    return "gvisor", str(path)
+    return str(path)
+
+
+@pytest.fixture(params=["crun", "gvisor"])
+def runtime(request, device_lock, tmp_path) -> tuple[str, str]:
+    """(runtime, lock): the device plan as is (crun) or with runtime = "gvisor"."""
+    return request.param, _lock_for(request.param, device_lock, tmp_path)
 
 
 def _put_probe(env, probe: str, path: str = "/tmp/doors") -> None:
@@ -438,3 +442,23 @@ def test_another_envs_processes_and_files_are_out_of_reach(daemon, runtime, door
         # B is untouched: its process lives, its file is there
         assert b.exec(["kill", "-0", str(b_sleep)]).exit_code == 0
         assert b.read_file("/root/b-secret") == b"b only\n"
+
+
+def test_exec_results_cannot_be_forged_under_gvisor(daemon, device_lock, escape_probe, tmp_path):
+    """Promise (issue 16 item 2, gVisor): a gVisor env has no in-env agent; exit codes come from
+    the Sentry over its control socket on the host. The hijack probe run as env root against
+    pid 1 takes nothing and no exec is forged."""
+    with daemon.client() as c, c.create(_lock_for("gvisor", device_lock, tmp_path)) as env:
+        _put_probe(env, escape_probe, "/tmp/probe")
+        r = env.exec(["sh", "-c", "/tmp/probe hijack 1 30 >/tmp/probe.log 2>&1 </dev/null &"])
+        assert r.exit_code == 0, r
+        assert wait_for(lambda: b"serving" in env.read_file("/tmp/probe.log"), timeout_s=10)
+        forged = []
+        for _ in range(20):
+            r = env.exec(["sh", "-c", "echo REAL; exit 3"])
+            if (r.exit_code, r.stdout) != (3, b"REAL\n"):
+                forged.append((r.exit_code, r.stdout))
+        log = env.read_file("/tmp/probe.log").decode()
+        print(f"gvisor hijack probe:\n{log}")
+        assert forged == [], f"{len(forged)} of 20 execs forged: {forged[:3]}\n{log}"
+        assert "serving 0" in log and "answered a connection" not in log, log
