@@ -129,6 +129,66 @@ def _plans(host: str, work: Path, task_bytes: int) -> list[dict]:
     return plans
 
 
+def _gateway_overhead(cluster, env_id: str, node_api: str) -> tuple[list[float], list[float]]:
+    """exec through the gateway (weenv cluster serve's app, in a thread of this process) against the
+    same exec sent straight to the node's daemon API (its TCP listener, the cluster token)."""
+    import socket
+    import tempfile
+    import threading
+
+    import trio
+
+    import weenv
+    from weenv.api import KeyStore
+    from weenv.cluster._gateway import serve_gateway
+
+    home = tempfile.mkdtemp(prefix="weenv-bench-gateway-")
+    key = KeyStore(home).create("bench", admin=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    held: dict = {}
+
+    async def main() -> None:
+        held["token"] = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as scope:
+            held["scope"] = scope
+            await serve_gateway(cluster, "bench", f"127.0.0.1:{port}", home=home)
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    gw = weenv.Client(f"http://127.0.0.1:{port}", token=key)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            gw.ping()
+            break
+        except weenv.WeenvError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    node = weenv.Client(node_api, token="bench")
+    via_gw, direct = [], []
+    try:
+        genv, nenv = gw.get(env_id), node.get(env_id)
+        for _ in range(5):
+            genv.exec("true"), nenv.exec("true")
+        for _ in range(50):
+            t0 = time.perf_counter()
+            genv.exec("true")
+            t1 = time.perf_counter()
+            nenv.exec("true")
+            direct.append(time.perf_counter() - t1)
+            via_gw.append(t1 - t0)
+    finally:
+        gw.close()
+        node.close()
+        trio.from_thread.run_sync(held["scope"].cancel, trio_token=held["token"])
+        thread.join(10)
+        shutil.rmtree(home, ignore_errors=True)
+    return via_gw, direct
+
+
 def _live_run(policy: str, plans: list[dict], arrivals: list[int], lifetime: int) -> dict:
     import weenv.cluster as wc
 
@@ -165,6 +225,7 @@ def _live_run(policy: str, plans: list[dict], arrivals: list[int], lifetime: int
                     own.append(time.perf_counter() - t0)
                 direct.close()
                 out["agent_exec_s"], out["direct_exec_s"] = via, own
+                out["gateway_exec_s"], out["node_api_exec_s"] = _gateway_overhead(cluster, env.id, report.node_api)
             while alive:
                 alive.popleft().kill()
             cluster.refresh()
@@ -208,6 +269,9 @@ def live(report: Report, quick: bool) -> None:
     via, own = median(aware["agent_exec_s"]) * 1e3, median(aware["direct_exec_s"]) * 1e3
     report.add("live: exec through the node agent (Ray hop) over the daemon socket", via - own, "ms",
                note=f"{via:.2f} ms vs {own:.2f} ms direct")
+    gw, node = median(aware["gateway_exec_s"]) * 1e3, median(aware["node_api_exec_s"]) * 1e3
+    report.add("live: gateway overhead per exec (weenv cluster serve vs the node's daemon API)", gw - node, "ms",
+               goal="≤ 2 ms", ok=gw - node <= 2.0, note=f"{gw:.2f} ms via the gateway vs {node:.2f} ms direct")
     report.notes.append(f"envs per node: cache-aware {dict(aware['nodes'])}, round-robin {dict(rr['nodes'])}")
 
 
@@ -231,8 +295,7 @@ def main() -> None:
     rr = simulate("round-robin", arrivals, plans)
     report.add("registry bytes pulled, 96 envs of 4 plans on 3 nodes (model)", aware / MiB, "MiB",
                baseline=rr / MiB, baseline_label="round-robin", goal="≤ 0.5x round-robin", ok=aware <= 0.5 * rr)
-    report.notes.append("the 'model' row counts a layer's bytes once per node that uses it; gateway overhead "
-                        "needs the gateway (weenv cluster serve), not built yet")
+    report.notes.append("the 'model' row counts a layer's bytes once per node that uses it")
     live(report, args.quick)
     report.print()
     report.save()

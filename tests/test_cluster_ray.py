@@ -318,13 +318,183 @@ def test_a_slime_rollout_step_spreads_its_groups_over_the_cluster(rw, fake_sglan
     assert not rw.cluster.routes()  # every env of the step is gone
 
 
-def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw):
-    from weenv.cluster import EnvLostError, NodeState
+class Gateway:
+    """``weenv cluster serve`` as its own process (what runs on a head node), with its API keys."""
+
+    def __init__(self, rw, home: Path):
+        import socket
+
+        from weenv.api import KeyStore, TemplateStore
+
+        self.rw, self.home = rw, home
+        api = home / "api"
+        self.keys = {"alice": KeyStore(str(api)).create("alice"), "root": KeyStore(str(api)).create("root", admin=True)}
+        lock = home / "bb.lock.json"
+        lock.write_text(__import__("json").dumps(rw.plan_bb))
+        TemplateStore(str(api)).set("bb", str(lock))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.address = rw.ray_cluster.ray_cluster.address
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+        import sys
+
+        import httpx
+
+        log = open(self.home / "gateway.log", "ab")
+        env = {**os.environ, "WEENV_HOME": str(self.home), "WEENV_CLUSTER_TOKEN": TOKEN}
+        self.proc = subprocess.Popen([sys.executable, "-m", "weenv", "cluster", "serve", "--ray-address", self.address,
+                                      "--listen", f"127.0.0.1:{self.port}", "--node-ip", "127.0.0.1",
+                                      "--report-interval", "0.5"], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                     stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, f"the gateway exited: {self.log()[-3000:]}"
+            try:
+                r = httpx.get(self.url + "/v1/envs", headers={"Authorization": f"Bearer {self.keys['root']}"}, timeout=5)
+                if r.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the gateway did not answer within 60 s: {self.log()[-3000:]}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def log(self) -> str:
+        return (self.home / "gateway.log").read_text(errors="replace")
+
+    def client(self, key: str = "alice"):
+        import weenv
+
+        return weenv.Client(cluster=self.address, token=self.keys[key])
+
+
+@pytest.fixture(scope="module")
+def gw(rw, tmp_path_factory):
+    g = Gateway(rw, tmp_path_factory.mktemp("gateway"))
+    g.start()
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+def test_node_daemons_on_the_cluster_network_refuse_calls_without_the_cluster_token(rw):
+    import httpx
+
+    for name in rw.node_names():
+        url = rw.cluster.report(name).node_api
+        assert url.startswith("http://127.0.0.1:"), url
+        assert httpx.get(url + "/v1/envs", timeout=5).status_code == 401
+        wrong = httpx.get(url + "/v1/envs", headers={"Authorization": "Bearer not-the-token"}, timeout=5)
+        assert wrong.status_code == 401 and "cluster token" in wrong.json()["error"]["message"]
+        assert httpx.get(url + "/v1/envs", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5).status_code == 200
+
+
+def test_the_gateway_places_creates_and_routes_exec_files_and_kill_by_env_id(rw, gw):
+    import weenv
+    from weenv.cluster import node_of
+
+    client = gw.client()
+    assert client.socket_path == gw.url  # found through the Ray cluster's KV store
+    # 0.9 cores guaranteed each: past the load band of one node, so placement spreads them
+    envs = [client.create(rw.plan_bb, cpu="0.9-1") for _ in range(3)]
+    try:
+        nodes = [node_of(e.id) for e in envs]
+        print("gateway creates on", nodes)
+        assert sorted(nodes) == rw.node_names()
+        for i, e in enumerate(envs):
+            e.write_file("/root/who", f"env{i}\n")
+            assert e.exec("cat /root/who").stdout == f"env{i}\n".encode()
+            assert e.read_file("/root/who") == f"env{i}\n".encode()
+            assert rw.cluster.routes()[e.id] == node_of(e.id)
+        # per exec: through the gateway vs straight to the node's daemon API
+        direct = weenv.Client(rw.cluster.report(nodes[0]).node_api, token=TOKEN).get(envs[0].id)
+        t_gw, t_direct = [], []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            envs[0].exec("true")
+            t1 = time.perf_counter()
+            direct.exec("true")
+            t_direct.append(time.perf_counter() - t1)
+            t_gw.append(t1 - t0)
+        t_gw.sort(), t_direct.sort()
+        print(f"exec p50 via gateway {t_gw[15] * 1e3:.2f} ms, direct {t_direct[15] * 1e3:.2f} ms")
+    finally:
+        for e in envs:
+            e.kill()
+    with pytest.raises(weenv.EnvNotFoundError):
+        client.get(envs[0].id)
+
+
+def test_the_e2b_sdk_through_the_gateway(rw, gw, monkeypatch):
+    e2b = pytest.importorskip("e2b")
+    from weenv.cluster import node_of
+
+    monkeypatch.setenv("E2B_API_URL", gw.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", gw.url)
+    monkeypatch.setenv("E2B_API_KEY", gw.keys["alice"])
+    monkeypatch.setenv("E2B_DOMAIN", "weenv.test")
+    sbx = e2b.Sandbox.create("bb", timeout=120)
+    try:
+        assert node_of(sbx.sandbox_id) in rw.node_names()
+        sbx.files.write("/root/x.txt", "hello cluster")
+        assert sbx.files.read("/root/x.txt") == "hello cluster"
+        out = sbx.commands.run("cat /root/x.txt && hostname")
+        assert out.exit_code == 0 and out.stdout.startswith("hello cluster")
+        assert e2b.Sandbox.get_info(sbx.sandbox_id).sandbox_id == sbx.sandbox_id
+    finally:
+        sbx.kill()
+    with pytest.raises(e2b.NotFoundException):
+        e2b.Sandbox.get_info(sbx.sandbox_id)
+
+
+def test_the_gateway_restarted_mid_run_keeps_routing_every_env(rw, gw):
+    from weenv.cluster import node_of
+
+    client = gw.client()
+    envs = [client.create(rw.plan_bb, cpu="0.9-1") for _ in range(3)]
+    try:
+        gw.stop()
+        gw.start()  # a new process: its routing is rebuilt from the node reports (and the env ids)
+        again = gw.client()
+        for e in envs:
+            got = again.get(e.id)
+            assert got.exec("echo routed").stdout == b"routed\n", node_of(e.id)
+    finally:
+        for e in envs:
+            e.kill()
+
+
+def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw, gw):
+    import weenv
+    from weenv.cluster import EnvLostError, NodeState, node_of
 
     c = rw.cluster
     a, b, node_c = rw.node_names()
     on_b = c.create(rw.plan_bb, node=b)
     on_a = c.create(rw.plan_bb, node=a)
+    client = gw.client()
+    via_gw = [client.create(rw.plan_bb, cpu="0.9-1") for _ in range(3)]  # one on each node
+    gw_on_b = next(e for e in via_gw if node_of(e.id) == b)
     told = []
     c.on_envs_lost(told.extend)
     ray.kill(c.clients[b].actor, no_restart=True)
@@ -336,10 +506,29 @@ def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw):
         on_b.exec("true")
     assert on_b.id in c.lost_envs() and on_b.id in [e.env_id for e in told]
     news = [c.create(rw.plan_bb) for _ in range(3)]
+    deadline = time.monotonic() + 30  # the gateway's own reconciler marks b lost too
+    while time.monotonic() < deadline:
+        try:
+            gw_on_b.exec("true")
+        except weenv.ApiError as e:
+            if e.status == 410:
+                break
+        time.sleep(0.2)
+    with pytest.raises(weenv.ApiError, match=f"env {gw_on_b.id} is lost: its node {b} was lost") as lost:
+        gw_on_b.exec("true")
+    assert lost.value.status == 410 and lost.value.kind == "env_lost"
+    gw_news = []
     try:
+        gw_news = [client.create(rw.plan_bb) for _ in range(3)]
+        assert b not in {node_of(e.id) for e in gw_news}
         assert b not in {e.node for e in news}
         assert on_a.exec("echo alive").stdout.decode() == "alive\n"  # the rest of the cluster unaffected
+        for e in via_gw:
+            if e is not gw_on_b:
+                assert e.exec("echo alive").stdout == b"alive\n"
         assert all(c.reconciler.nodes[n].state is NodeState.HEALTHY for n in (a, node_c))
     finally:
         for e in news + [on_a]:
+            e.kill()
+        for e in gw_news + [x for x in via_gw if x is not gw_on_b]:
             e.kill()

@@ -159,8 +159,13 @@ def _is_url(target: str) -> bool:
     return target.startswith(("http://", "https://"))
 
 
-def _target(socket_path_or_url: str | None) -> str:
-    """What a client talks to: the argument, else ``$WEENV_HOST``, else the node's daemon socket."""
+def _target(socket_path_or_url: str | None, cluster: str | None = None) -> str:
+    """What a client talks to: the argument, else ``$WEENV_HOST``, else the node's daemon socket.
+    A Ray cluster (``cluster=`` its address, or a ``ray://`` URL): the gateway it registered."""
+    if cluster is not None or (socket_path_or_url or "").startswith("ray://"):
+        from .cluster._gateway import lookup
+
+        return lookup(cluster if cluster is not None else socket_path_or_url)
     return socket_path_or_url or os.environ.get("WEENV_HOST") or _home.daemon_socket()
 
 
@@ -619,8 +624,8 @@ class Client:
     """Synchronous client of the local weenv daemon (a socket path), or of ``weenv serve`` (a URL)."""
 
     def __init__(self, socket_path: str | None = None, *, token: str | None = None, timeout_s: float = 300.0,
-                 autostart: bool = True):
-        self.socket_path = _target(socket_path)
+                 autostart: bool = True, cluster: str | None = None):
+        self.socket_path = _target(socket_path, cluster)
         self.autostart = autostart and not _is_url(self.socket_path)
         transport = None if _is_url(self.socket_path) else httpx.HTTPTransport(uds=self.socket_path)
         self._http = httpx.Client(transport=transport, timeout=timeout_s, **_http_options(self.socket_path, token))
@@ -889,8 +894,8 @@ class AsyncClient:
     """Async client of the local weenv daemon or of ``weenv serve`` (httpx.AsyncClient: asyncio or trio)."""
 
     def __init__(self, socket_path: str | None = None, *, token: str | None = None, timeout_s: float = 300.0,
-                 autostart: bool = True):
-        self.socket_path = _target(socket_path)
+                 autostart: bool = True, cluster: str | None = None):
+        self.socket_path = _target(socket_path, cluster)
         self.autostart = autostart and not _is_url(self.socket_path)
         transport = None if _is_url(self.socket_path) else httpx.AsyncHTTPTransport(uds=self.socket_path)
         self._http = httpx.AsyncClient(transport=transport, timeout=timeout_s,

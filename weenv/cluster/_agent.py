@@ -73,7 +73,7 @@ class NodeAgent:
 
     def __init__(self, *, token_sha256: str | None, report_interval_s: float = 2.0, node_name: str | None = None,
                  cgroup_root: str | None = None, ray_node_id: str | None = None, start_daemon: bool = True,
-                 daemon_start_timeout_s: float = 60.0):
+                 daemon_start_timeout_s: float = 60.0, serve_tcp: bool | None = None):
         self.home = _home.home()
         self.ray_node_id = ray_node_id or _current_ray_node_id()
         self.node = node_name or os.environ.get("WEENV_NODE_NAME") or node_name_for(self.ray_node_id)
@@ -96,9 +96,27 @@ class NodeAgent:
         self._daemon_proc: subprocess.Popen[bytes] | None = None
         if start_daemon:
             self._ensure_daemon(daemon_start_timeout_s)
+        self.node_api: Any = None
+        if (start_daemon if serve_tcp is None else serve_tcp) and self._token is not None:
+            self._start_node_api()
         self._refresh()
         self._thread = threading.Thread(target=self._loop, name="weenv-agent-report", daemon=True)
         self._thread.start()
+
+    def _start_node_api(self) -> None:
+        """The daemon on the cluster network, for the gateway (weenv/cluster/_nodeapi.py): bound to
+        ``$WEENV_NODE_API_HOST`` or the Ray node's address, ``$WEENV_NODE_API_PORT`` or any port."""
+        from ._nodeapi import NodeApi
+
+        host = os.environ.get("WEENV_NODE_API_HOST") or _current_node_ip()
+        try:
+            port = int(os.environ.get("WEENV_NODE_API_PORT") or 0)
+        except ValueError:
+            raise ClusterError(f"node {self.node}: $WEENV_NODE_API_PORT={os.environ['WEENV_NODE_API_PORT']!r} "
+                               f"is not a port number") from None
+        assert self._token is not None
+        self.node_api = NodeApi(self.socket, self._token, host, port).start()
+        log.info("node %s: daemon API on %s (cluster token required)", self.node, self.node_api.url)
 
     # ------------------------------------------------------------------ daemon
 
@@ -207,7 +225,8 @@ class NodeAgent:
             self._report = NodeReport(
                 node=self.node, ray_node_id=self.ray_node_id, seq=self._seq, taken_s=time.time(), healthy=healthy,
                 accepting=healthy, problem=problem, home=self.home, daemon_address=self.api_url,
-                daemon_pid=self.daemon_pid, store_bytes_fetched=fetched, capacity=capacity,
+                daemon_pid=self.daemon_pid, node_api=self.node_api.url if self.node_api is not None else "",
+                store_bytes_fetched=fetched, capacity=capacity,
                 layers=list(layers.values()), snapshots=snaps, envs=envs)
 
     # ------------------------------------------------------------------ calls (all but hello need the token)
@@ -224,13 +243,20 @@ class NodeAgent:
         """Who this agent is (no token needed: it says nothing about envs)."""
         return {"node": self.node, "ray_node_id": self.ray_node_id, "home": self.home, "pid": os.getpid(),
                 "cgroup_root": self.cgroup_root, "started_daemon": self.started_daemon,
-                "daemon_pid": self.daemon_pid, "token_required": self._token is not None}
+                "daemon_pid": self.daemon_pid, "token_required": self._token is not None,
+                "node_api": self.node_api.url if self.node_api is not None else ""}
 
     def report(self, token: str | None) -> NodeReport:
         self._check(token)
         with self._lock:
             assert self._report is not None
             return self._report
+
+    def refresh(self, token: str | None) -> NodeReport:
+        """A report taken now (the gateway asks after a create it sent straight to the daemon)."""
+        self._check(token)
+        self._refresh()
+        return self.report(token)
 
     def request(self, token: str | None, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
                 params: dict[str, str] | None = None, timeout_s: float | None = None) -> tuple[int, str, bytes]:
@@ -286,6 +312,8 @@ class NodeAgent:
         """Stop reporting; with ``stop_daemon`` also stop the daemon (its envs too with ``kill_envs``)."""
         self._check(token)
         self._stop.set()
+        if self.node_api is not None:
+            self.node_api.stop()
         if stop_daemon:
             try:
                 self._http.post("/v1/daemon/stop", json={"kill_envs": kill_envs}, timeout=30.0)
@@ -375,6 +403,15 @@ def _current_ray_node_id() -> str:
         return ray.get_runtime_context().get_node_id()
     except Exception as e:
         raise ClusterError(f"the node agent runs as a Ray actor (no Ray node id: {e})") from None
+
+
+def _current_node_ip() -> str:
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception as e:
+        raise ClusterError(f"no Ray node address to bind the node's API to (set $WEENV_NODE_API_HOST): {e}") from None
 
 
 @functools.lru_cache(maxsize=1)

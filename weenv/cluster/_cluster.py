@@ -354,9 +354,14 @@ class Cluster:
         for name in list(self.clients):
             self._refresh_one(name)
 
-    def _refresh_one(self, name: str) -> None:
+    def refresh_node(self, name: str) -> None:
+        """Have node ``name`` take a report now and use it (after a change made past its agent)."""
+        self._refresh_one(name, fresh=True)
+
+    def _refresh_one(self, name: str, *, fresh: bool = False) -> None:
         try:
-            rep = self._client(name).report(10.0)
+            client = self._client(name)
+            rep = client._get(client.actor.refresh.remote(client._token), 10.0) if fresh else client.report(10.0)
         except Exception:
             return  # the reconciler's next poll deals with it
         with self._lock:

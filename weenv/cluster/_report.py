@@ -66,6 +66,7 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     home: str = ""
     daemon_address: str = ""  # unix:///…/weenv.sock, or the TCP API when the node serves one
     daemon_pid: int = 0
+    node_api: str = ""  # http://ip:port: the daemon on the cluster network (cluster token required), or ""
     store_bytes_fetched: int = 0  # bytes its envlet read from stores (registries) since it started
     capacity: Capacity
     layers: list[LayerHeld] = []
