@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .. import _home, layerfmt
+from .._atomic import atomic_write
 from .._client import Client, Env, WeenvError
 
 STEP_KINDS = ("run", "env", "workdir", "user", "copy")
@@ -186,10 +186,7 @@ class StepCache:
     def put(self, key: str, snap: str) -> None:
         try:
             os.makedirs(self.root, exist_ok=True)
-            tmp = f"{self._path(key)}.tmp-{os.getpid()}-{threading.get_ident()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(snap)
-            os.replace(tmp, self._path(key))
+            atomic_write(self._path(key), snap, mode=None, fsync=False)
         except OSError:
             pass  # the cache only saves time
 

@@ -48,6 +48,7 @@ from typing import Annotated, Any
 import msgspec
 
 from .. import __version__, _home, layerfmt
+from .._atomic import atomic_writer
 from ._build import (
     BuildError,
     Step,
@@ -434,10 +435,8 @@ def _cache_put(key: str, entry: dict[str, Any]) -> None:
     path = _package_cache_path(key)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_writer(path, mode=None, fsync=False, encoding="utf-8") as f:
             json.dump(entry, f)
-        os.replace(tmp, path)
     except OSError:
         pass  # the cache only saves time
 

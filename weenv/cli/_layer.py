@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import click
 
 from .. import layerfmt
+from .._atomic import atomic_writer
 from ._common import SIZE, errors_to_exit, human_bytes, print_json, stdout
 from . import main
 
@@ -50,25 +51,14 @@ def _ref_opener():  # type: ignore[no-untyped-def]
     return open_layer_ref
 
 
-def _atomic_output(path: str):  # type: ignore[no-untyped-def]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    return tmp, open(tmp, "wb")
-
-
 def _build(src: str, out: str, chunk_size: int, prefetch_list: str | None, as_json: bool, level: int) -> None:
     prefetch: list[str] = []
     if prefetch_list:
         with open(prefetch_list, encoding="utf-8") as f:
             prefetch = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    tmp, f = _atomic_output(out)
     t0 = time.perf_counter()
-    try:
-        with f:
-            result = layerfmt.build_layer(src, f, chunk_size=chunk_size, prefetch=prefetch, level=level)
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_writer(out, mode=None, fsync=False) as f:
+        result = layerfmt.build_layer(src, f, chunk_size=chunk_size, prefetch=prefetch, level=level)
     dt = time.perf_counter() - t0
     if as_json:
         print_json({**result.__dict__, "path": out, "seconds": round(dt, 3)})

@@ -8,6 +8,7 @@ import sys
 import click
 from rich.markup import escape
 
+from .._atomic import atomic_write
 from .. import plan as planlib
 from ._common import errors_to_exit, human_bytes, print_json, stdout
 from . import main
@@ -158,12 +159,4 @@ def schema_cmd(for_lock: bool, output: str | None) -> None:
     if output is None:
         sys.stdout.write(text)
         return
-    tmp = f"{output}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(output, text, mode=None, fsync=False)

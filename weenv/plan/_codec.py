@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import tomllib
 from typing import Any, Literal, TypeVar, overload
 
@@ -19,6 +18,7 @@ import msgspec
 import msgspec.inspect as mi
 import tomli_w
 
+from .._atomic import atomic_write
 from ._errors import PlanSyntaxError, PlanValidationError, Problem
 from ._model import LOCK_VERSION, Lock, Plan
 from ._units import SIZE_PATTERN, format_size, parse_size
@@ -271,24 +271,9 @@ def format_for_path(path: str | os.PathLike[str]) -> Format:
 
 
 def write_plan(plan: Plan, path: str | os.PathLike[str], fmt: Format | None = None) -> None:
-    """Write atomically (temp file in the same directory, fsync, rename); format by extension."""
+    """Write atomically (temp file in the same directory, fsync, rename; mode 0644); format by extension."""
     path = os.fspath(path)
-    text = dump_plan(plan, fmt or format_for_path(path))
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(path, dump_plan(plan, fmt or format_for_path(path)), mode=0o644)
 
 
 def plan_json_schema(*, lock: bool = False) -> dict[str, Any]:

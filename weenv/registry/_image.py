@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 import zstandard
 
 from .. import layerfmt
+from .._atomic import AtomicFile, atomic_write
 from ._errors import ArtifactError, IntegrityError, NotFoundError, RefError, mapped_errors
 from ._group import ImageConfig, image_config, open_store, resolve_group_in
 from ._oci import (
@@ -585,48 +586,35 @@ def _export_layer(store: Store, r: Ref, info: Any, blobs: str, compression: str,
     chunks = store.iter_blob(r.repo, info.layer_digest, info.layer_size)
     final = os.path.join(blobs, info.layer_digest.split(":", 1)[1])
     ann = {layerfmt.TOC_DIGEST_ANNOTATION: info.toc_digest}
-    tmp = os.path.join(blobs, f".tmp-{os.getpid()}-{info.layer_digest[7:19]}")
-    try:
-        with open(tmp, "wb") as raw:
-            hw = _HashingWriter(raw)
-            src_hash = hashlib.sha256()
+    # the name is the digest of what is written (a gzip transcode has its own): chosen at commit
+    with AtomicFile(final, mode=None, fsync=False) as out:
+        hw = _HashingWriter(out.file)
+        src_hash = hashlib.sha256()
 
-            def counted() -> Iterator[bytes]:
-                for c in chunks:
-                    src_hash.update(c)
-                    on_bytes(len(c))
+        def counted() -> Iterator[bytes]:
+            for c in chunks:
+                src_hash.update(c)
+                on_bytes(len(c))
+                yield c
+
+        if compression == "zstd":
+            def tee() -> Iterator[bytes]:
+                for c in counted():
+                    hw.write(c)
                     yield c
 
-            if compression == "zstd":
-                def tee() -> Iterator[bytes]:
-                    for c in counted():
-                        hw.write(c)
-                        yield c
-
-                diff_id = _diff_id(tee())
-            else:
-                # mtime=0 and no file name: the same tree always gives the same gzip bytes; level 1: this is a
-                # compatibility path where speed matters more than size
-                with gzip.GzipFile(filename="", mode="wb", fileobj=hw, compresslevel=1, mtime=0) as gz:  # type: ignore[arg-type]
-                    diff_id = _diff_id(counted(), gz.write)
+            diff_id = _diff_id(tee())
+        else:
+            # mtime=0 and no file name: the same tree always gives the same gzip bytes; level 1: this is a
+            # compatibility path where speed matters more than size
+            with gzip.GzipFile(filename="", mode="wb", fileobj=hw, compresslevel=1, mtime=0) as gz:  # type: ignore[arg-type]
+                diff_id = _diff_id(counted(), gz.write)
         if "sha256:" + src_hash.hexdigest() != info.layer_digest:
             raise IntegrityError(f"{r}: layer bytes do not match {info.layer_digest}")
         digest = "sha256:" + hw.hash.hexdigest()
-        final = os.path.join(blobs, digest.split(":", 1)[1])
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        out.commit(os.path.join(blobs, digest.split(":", 1)[1]))
     media_type = LAYER_TAR_ZSTD if compression == "zstd" else LAYER_TAR_GZIP
     return descriptor_json(media_type, digest, hw.size, ann if compression == "zstd" else None), diff_id
-
-
-def _write_file_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 EXPORT_COMPRESSIONS = ("zstd", "gzip")
@@ -689,12 +677,12 @@ def export_oci(refs: list[str], oci_dir: str, *, tag: str = "latest", config: Im
         }
         config_bytes = canonical_json(config_doc)
         config_digest = sha256_digest(config_bytes)
-        _write_file_atomic(os.path.join(blobs, config_digest.split(":", 1)[1]), config_bytes)
+        atomic_write(os.path.join(blobs, config_digest.split(":", 1)[1]), config_bytes, mode=None, fsync=False)
         manifest = {"schemaVersion": 2, "mediaType": MANIFEST_V1,
                     "config": descriptor_json(CONFIG_V1, config_digest, len(config_bytes)), "layers": layers}
         manifest_bytes = canonical_json(manifest)
         manifest_digest = sha256_digest(manifest_bytes)
-        _write_file_atomic(os.path.join(blobs, manifest_digest.split(":", 1)[1]), manifest_bytes)
+        atomic_write(os.path.join(blobs, manifest_digest.split(":", 1)[1]), manifest_bytes, mode=None, fsync=False)
         index_path = os.path.join(oci_dir, "index.json")
         entries: list[dict[str, Any]] = []
         if os.path.exists(index_path):
@@ -703,8 +691,8 @@ def export_oci(refs: list[str], oci_dir: str, *, tag: str = "latest", config: Im
             entries = [m for m in old.get("manifests") or []
                        if (m.get("annotations") or {}).get(ANN_REF_NAME) != tag]
         entries.append(descriptor_json(MANIFEST_V1, manifest_digest, len(manifest_bytes), {ANN_REF_NAME: tag}))
-        _write_file_atomic(index_path, json.dumps({"schemaVersion": 2, "mediaType": INDEX_V1, "manifests": entries},
-                                                  indent=1).encode())
-        _write_file_atomic(os.path.join(oci_dir, "oci-layout"), b'{"imageLayoutVersion":"1.0.0"}')
+        atomic_write(index_path, json.dumps({"schemaVersion": 2, "mediaType": INDEX_V1, "manifests": entries},
+                                            indent=1).encode(), mode=None, fsync=False)
+        atomic_write(os.path.join(oci_dir, "oci-layout"), b'{"imageLayoutVersion":"1.0.0"}', mode=None, fsync=False)
     return ExportResult(oci_dir, tag, manifest_digest, config_digest, [d["digest"] for d in layers])
 

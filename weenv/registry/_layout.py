@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .._atomic import atomic_write, atomic_writer
 from ._errors import BlobRangeError, IntegrityError, NotFoundError, StoreError, mapped_errors
 from ._oci import ANN_REF_NAME, ANN_REPO, INDEX_V1, descriptor_json, sha256_digest
 from ._ref import check_digest, is_digest
@@ -29,14 +30,6 @@ from ._store import Descriptor, ProgressFn, Store
 
 _COPY_BYTES = 4 << 20
 LOCK_NAME = "index.json.lock"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LayoutStore(Store):
@@ -67,21 +60,7 @@ class LayoutStore(Store):
         return os.path.join(self._blobs, digest.split(":", 1)[1])
 
     def _atomic_write(self, path: str, data: bytes) -> None:
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+        atomic_write(path, data, mode=None, fsync=self.fsync)
 
     @contextmanager
     def _index_lock(self) -> Iterator[None]:
@@ -200,32 +179,21 @@ class LayoutStore(Store):
             return 0
         where = f"{self.root}: put blob {digest} from {path}"
         with mapped_errors(where):
-            tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
             h = hashlib.sha256()
             n = 0
-            try:
-                with open(path, "rb") as src, open(tmp, "wb") as dst:
-                    while True:
-                        buf = src.read(_COPY_BYTES)
-                        if not buf:
-                            break
-                        h.update(buf)
-                        dst.write(buf)
-                        n += len(buf)
-                        if progress is not None:
-                            progress(len(buf))
-                    if self.fsync:
-                        os.fsync(dst.fileno())
+            with open(path, "rb") as src, atomic_writer(final, mode=None, fsync=self.fsync) as dst:
+                while True:
+                    buf = src.read(_COPY_BYTES)
+                    if not buf:
+                        break
+                    h.update(buf)
+                    dst.write(buf)
+                    n += len(buf)
+                    if progress is not None:
+                        progress(len(buf))
                 got = "sha256:" + h.hexdigest()
-                if got != digest or n != size:
+                if got != digest or n != size:  # raised inside the block: the temp is removed, no blob appears
                     raise IntegrityError(f"{where}: file has {got} ({n} bytes), expected {digest} ({size} bytes)")
-                os.replace(tmp, final)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-                raise
         return n
 
     def read_blob(self, repo: str, digest: str, offset: int, length: int) -> bytes:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import __version__, layerfmt
+from .._atomic import atomic_writer
 from ._errors import ArtifactError, IntegrityError, NotFoundError, RefError, StoreError, mapped_errors
 from ._group import group_manifest, open_store, parse_manifest, require_tag, same_group_content, weenv_home
 from ._oci import (
@@ -114,10 +115,8 @@ def _cache_put(key: str, digest: str, size: int, toc_digest: str) -> None:
         d = _cache_dir()
         os.makedirs(d, exist_ok=True)
         path = os.path.join(d, key.split(":", 1)[1] + ".json")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_writer(path, mode=None, fsync=False, encoding="utf-8") as f:
             json.dump({"digest": digest, "size": size, "toc_digest": toc_digest}, f)
-        os.replace(tmp, path)
     except OSError:
         pass  # the cache only saves time
 
