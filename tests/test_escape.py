@@ -159,7 +159,7 @@ def doors_probe(tmp_path_factory) -> str:
 
 
 def _runsc_skip_reason() -> str | None:
-    from weenv.provision._hostcheck import detect_host
+    from weenv.provision import detect_host
 
     host = detect_host()
     if host.runsc_path is None:
@@ -313,7 +313,8 @@ def test_env_root_finds_every_door_shut(daemon, runtime, doors_probe, host_targe
         r = env.exec(["/tmp/doors", *_doors_args(marker, targets, [f"/opt/devices/{d}" for d in SHIPPED_DEVICES],
                                                  sibling, "/tmp")], timeout_s=20)
         log = r.stdout.decode()
-        print(f"{kind}:\n{log}")
+        uid_map = env.exec(["cat", "/proc/self/uid_map"]).stdout.decode().split()
+        print(f"{kind} (uid_map {' '.join(uid_map)}):\n{log}")
         assert r.exit_code == 0 and "unshare(CLONE_NEWNS)" in log, (r, log)
         got = attempts(log)
         allowed = GVISOR_OWN if kind == "gvisor" else ENV_OWN
