@@ -411,7 +411,7 @@ def run_soak(n: int, concurrency: int, quick: bool, use_e2b: bool = True) -> dic
             "daemon children added": sorted(_children(pid) - base_children - {envlet_pid}),
             "veths/netns added": sorted(set(_veths()) - base_veths),
             "snapshot trees left": [n for n in (os.listdir(trees_dir) if os.path.isdir(trees_dir) else [])
-                                    if n != ".id-base"],  # the trees' owner marker (weenv/provision/_idmap.py)
+                                    if n != ".id-base"],  # the trees' owner marker (weenv/provision/runtime/_idmap.py)
         }
         disk = {"home_other_bytes": _du(home, skip), "envlet_cache_bytes": _du(os.path.join(home, "envlet")),
                 "layer_trees_bytes": _du(os.path.join(home, "layer-trees")),

@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from benchmarks.start_crun import bare_crun_run
-from weenv.provision._hostcheck import detect_host
+from weenv.provision.runtime._hostcheck import detect_host
 from weenv.testing import leftovers
 
 from ._daemon import bench_daemon

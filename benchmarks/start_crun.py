@@ -29,9 +29,9 @@ import time
 
 import trio
 
-from weenv.provision._hostcheck import bind_unified_controllers_to_v1, detect_host, private_mount_ns_recipe
-from weenv.provision._hostcheck import unbind_v1_controllers
-from weenv.provision._runtime import CrunRuntime, prepare_bundle
+from weenv.provision.runtime._hostcheck import bind_unified_controllers_to_v1, detect_host, private_mount_ns_recipe
+from weenv.provision.runtime._hostcheck import unbind_v1_controllers
+from weenv.provision.runtime._runtime import CrunRuntime, prepare_bundle
 from weenv.provision.cgroups import detect_backend
 
 from ._util import Report, arg_parser, median, percentile

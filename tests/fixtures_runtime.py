@@ -71,7 +71,7 @@ def busybox_rootfs(tmp_path) -> str:
 def require_crun() -> None:
     require_root()
     require_command("crun")
-    from weenv.provision._hostcheck import detect_host
+    from weenv.provision.runtime._hostcheck import detect_host
 
     if detect_host().init_path is None:
         pytest.skip("needs catatonit (apt-get install catatonit): the env init")
@@ -97,7 +97,7 @@ def crun_runtime(tmp_path) -> Iterator:
     """A :class:`CrunRuntime` with its state under tmp_path; teardown force-deletes every
     container it still has and checks crun's state directory is empty."""
     require_crun()
-    from weenv.provision._runtime import CrunRuntime
+    from weenv.provision.runtime._runtime import CrunRuntime
 
     runtime = CrunRuntime(str(tmp_path / "run"))
     try:
@@ -143,7 +143,7 @@ class EnvHandle:
 def userns_idmap():
     """The runtime tests run their envs in a user namespace, as the daemon does by default
     (docs/security.md, "User namespaces"); with WEENV_USERNS=0 without one, as ``--no-userns``."""
-    from weenv.provision._idmap import IdMap
+    from weenv.provision.runtime._idmap import IdMap
 
     return None if os.environ.get("WEENV_USERNS", "").strip().lower() in ("0", "false", "no", "off") else IdMap()
 
@@ -171,8 +171,8 @@ def _into_range(rootfs: str, idmap) -> None:
 
 async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgroup=None, **spec_options) -> EnvHandle:
     """Prepare a bundle next to ``rootfs``, create and start the env."""
-    from weenv.provision._idmap import apply_userns, own_cgroups_only
-    from weenv.provision._runtime import prepare_bundle
+    from weenv.provision.runtime._idmap import apply_userns, own_cgroups_only
+    from weenv.provision.runtime._runtime import prepare_bundle
 
     bundle = str(tmp_path / f"bundle-{env_id}")
     os.makedirs(bundle, exist_ok=True)

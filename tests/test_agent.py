@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from weenv._unixsock import bind_unix
-from weenv.provision._agent import AGENT_KEY_BYTES, agent_exec, agent_key_path, agent_listener
+from weenv.provision.runtime._agent import AGENT_KEY_BYTES, agent_exec, agent_key_path, agent_listener
 from weenv.provision._errors import ContainerError
 
 _HDR = struct.Struct(">cI")

@@ -511,7 +511,7 @@ def test_answer_structs_cover_what_the_daemon_records_hold(tmp_path):
     assert set(snap.public()) == set(wire.SnapshotInfo.__struct_fields__)
     msgspec.convert({**snap.public(), "lock": snap.lock}, wire.SnapshotDetail)
     from weenv.provision._files import FileInfo
-    from weenv.provision._runtime import ExecResult
+    from weenv.provision.runtime._runtime import ExecResult
 
     assert FileInfo.__struct_fields__ == wire.FileInfo.__struct_fields__
     assert ExecResult.__struct_fields__ == wire.ExecResult.__struct_fields__

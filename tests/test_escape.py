@@ -287,6 +287,27 @@ def test_control_the_doors_probe_gets_through_on_the_host(doors_probe, host_targ
     r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(suid), "ids"],
                        capture_output=True, text=True, timeout=10)
     assert r.stdout == "euid 0\n", r
+    # SIGKILL by pid works on the host (the other-env test sends it to another env's host pids)
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        r = subprocess.run([doors_probe, "pids", str(victim.pid)], capture_output=True, text=True, timeout=10)
+        assert attempts(r.stdout)[f"kill({victim.pid}, SIGKILL)"] == "SUCCEEDED", r
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def _host_abstract_sockets(limit: int = 20) -> list[str]:
+    """Listening abstract Unix sockets of the host (gVisor sandboxes' control sockets among them)."""
+    names = []
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            if len(fields) == 8 and fields[7].startswith("@") and fields[5] == "01" and fields[3] == "00010000":
+                if fields[7].isprintable() and fields[7] not in names:
+                    names.append(fields[7])
+    return names[:limit]
 
 
 def _start_sibling(env) -> int:
@@ -307,6 +328,7 @@ def test_env_root_finds_every_door_shut(daemon, runtime, doors_probe, host_targe
     kind, lock = runtime
     marker, targets = host_targets
     targets = [*targets, daemon.socket, os.path.join(daemon.home, "run", "envlet.sock")]
+    targets += [name for name in _host_abstract_sockets() if name not in targets]
     with daemon.client() as c, c.create(lock) as env:
         _put_probe(env, doors_probe)
         sibling = _start_sibling(env)

@@ -12,7 +12,7 @@ import trio
 
 from tests.fixtures_runtime import require_crun, start_env
 from weenv.provision._errors import ContainerError, ContainerNotFoundError, HostError, SpecError
-from weenv.provision._hostcheck import detect_host
+from weenv.provision.runtime._hostcheck import detect_host
 
 
 def run(fn, *args):
@@ -37,7 +37,7 @@ def gvisor_platform(tmp_path_factory) -> str:
     if reason:
         print(f"SKIP gVisor tests: {reason}")
         pytest.skip(reason)
-    from weenv.provision._gvisor import probe_platform
+    from weenv.provision.runtime._gvisor import probe_platform
 
     host = detect_host()
     try:
@@ -51,7 +51,7 @@ def gvisor_platform(tmp_path_factory) -> str:
 
 @pytest.fixture
 def gvisor_runtime(tmp_path, gvisor_platform):
-    from weenv.provision._gvisor import GvisorRuntime
+    from weenv.provision.runtime._gvisor import GvisorRuntime
 
     runtime = GvisorRuntime(str(tmp_path / "run"), platform=gvisor_platform)
     try:
@@ -100,7 +100,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 def test_probe_reports_each_platform_and_caches(tmp_path, gvisor_platform):
-    from weenv.provision._gvisor import PLATFORMS, probe_platform
+    from weenv.provision.runtime._gvisor import PLATFORMS, probe_platform
 
     host = detect_host()
     found = probe_platform(host.runsc_path, host.init_path, cache_dir=str(tmp_path), timeout_s=5)
@@ -114,7 +114,7 @@ def test_probe_reports_each_platform_and_caches(tmp_path, gvisor_platform):
 
 
 def test_probe_without_kvm_device_picks_ptrace(tmp_path, gvisor_platform):
-    from weenv.provision._gvisor import probe_platform
+    from weenv.provision.runtime._gvisor import probe_platform
 
     host = detect_host()
     found = probe_platform(host.runsc_path, host.init_path, kvm_device=str(tmp_path / "no-kvm"))
@@ -143,7 +143,7 @@ def test_exec_exit_codes_output_stdin_and_not_found(gvisor_runtime, busybox_root
         # the kernel the env sees is gVisor's, not the host's
         r = await env.exec(["dmesg"])
         assert b"gVisor" in r.stdout or b"Starting gVisor" in r.stdout, r.stdout[:300]
-        r = await env.exec(["id", "-u"], user=__import__("weenv.provision._ocispec", fromlist=["User"]).User(uid=1000, gid=1000))
+        r = await env.exec(["id", "-u"], user=__import__("weenv.provision.runtime._ocispec", fromlist=["User"]).User(uid=1000, gid=1000))
         assert r.stdout == b"1000\n"
 
     run(main)
@@ -252,7 +252,7 @@ def test_refuses_what_gvisor_cannot_do(gvisor_runtime, busybox_rootfs, tmp_path)
 
 
 def test_a_new_runtime_readopts_running_envs(gvisor_runtime, busybox_rootfs, tmp_path):
-    from weenv.provision._gvisor import GvisorRuntime
+    from weenv.provision.runtime._gvisor import GvisorRuntime
 
     async def main():
         env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs)
@@ -266,8 +266,8 @@ def test_a_new_runtime_readopts_running_envs(gvisor_runtime, busybox_rootfs, tmp
 
 def test_router_runs_crun_and_gvisor_envs_side_by_side(gvisor_runtime, busybox_rootfs, tmp_path):
     require_crun()
-    from weenv.provision._gvisor import ANNOTATION_RUNTIME, RuntimeRouter
-    from weenv.provision._runtime import CrunRuntime, prepare_bundle
+    from weenv.provision.runtime._gvisor import ANNOTATION_RUNTIME, RuntimeRouter
+    from weenv.provision.runtime._runtime import CrunRuntime, prepare_bundle
     from tests.fixtures_runtime import make_busybox_rootfs
 
     crun = CrunRuntime(str(tmp_path / "crun-run"))
@@ -382,7 +382,7 @@ def test_daemon_refuses_gvisor_with_host_network(daemon, tmp_path, gvisor_platfo
 
 
 def test_plan_runtime_and_start_cpu_hint_logic():
-    from weenv.provision._gvisor import ANNOTATION_RUNTIME, RuntimeRouter, plan_runtime, start_cpu_hint
+    from weenv.provision.runtime._gvisor import ANNOTATION_RUNTIME, RuntimeRouter, plan_runtime, start_cpu_hint
     from weenv.testing import FakeRuntime
 
     class FakeGvisor(FakeRuntime):

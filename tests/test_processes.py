@@ -273,8 +273,8 @@ def runtime_env(request, tmp_path):  # type: ignore[no-untyped-def]
         trio.run(up)
         yield rt, "p1"
         return
-    from weenv.provision._agent import agent_listener, ensure_agent
-    from weenv.provision._runtime import prepare_bundle
+    from weenv.provision.runtime._agent import agent_listener, ensure_agent
+    from weenv.provision.runtime._runtime import prepare_bundle
 
     from .fixtures_runtime import make_busybox_rootfs
 

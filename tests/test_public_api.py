@@ -90,6 +90,11 @@ PUBLIC_API: dict[str, list[str]] = {
         "V1Backend", "V2Backend", "admit", "build_spec", "criu_status", "decide", "detect_backend",
         "detect_host", "prepare_bundle", "resolve_user", "serve",
     ],
+    "weenv.provision.runtime": [
+        "BindMount", "ContainerState", "CrunRuntime", "ExecResult", "GvisorRuntime", "HostFacts", "IdMap",
+        "Runtime", "RuntimeRouter", "User", "build_spec", "criu_status", "detect_host", "node_runtime",
+        "prepare_bundle",
+    ],
     "weenv.provision.cgroups": [
         "ALL_FEATURES", "Cgroup", "CgroupBackend", "CgroupFs", "CgroupLayout", "CgroupSample", "PAGE_BYTES",
         "V1Backend", "V1Cgroup", "V2Backend", "V2Cgroup", "check_name", "detect_backend", "parse_layout",

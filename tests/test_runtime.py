@@ -17,11 +17,11 @@ from tests.fixtures_runtime import make_busybox_rootfs, require_crun, start_env
 from weenv.provision._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, SpecError
 from weenv.provision._errors import UserNotFoundError
 from weenv.provision._files import resolve_user
-from weenv.provision._hostcheck import HostFacts, bind_unified_controllers_to_v1, detect_host, unbind_v1_controllers
-from weenv.provision._ocispec import DEFAULT_CAPABILITIES, DENIED_SYSCALLS, INIT_ARGS, INIT_PATH
-from weenv.provision._ocispec import BindMount, User, build_spec, default_seccomp, merge_env, parse_user
-from weenv.provision._ocispec import render_etc_files
-from weenv.provision._runtime import CrunRuntime, kill_exec_tree
+from weenv.provision.runtime._hostcheck import HostFacts, bind_unified_controllers_to_v1, detect_host, unbind_v1_controllers
+from weenv.provision.runtime._ocispec import DEFAULT_CAPABILITIES, DENIED_SYSCALLS, INIT_ARGS, INIT_PATH
+from weenv.provision.runtime._ocispec import BindMount, User, build_spec, default_seccomp, merge_env, parse_user
+from weenv.provision.runtime._ocispec import render_etc_files
+from weenv.provision.runtime._runtime import CrunRuntime, kill_exec_tree
 from weenv.testing import FakeRuntime
 
 
@@ -195,7 +195,7 @@ class Harness:
     async def create(self, env_id="c1"):
         if self.kind == "fake":
             return await self.runtime.create(env_id, "/bundle", "/rootfs", _spec(env_id=env_id), [])
-        from weenv.provision._runtime import prepare_bundle
+        from weenv.provision.runtime._runtime import prepare_bundle
 
         bundle = str(self.tmp_path / f"bundle-{env_id}")
         os.makedirs(bundle, exist_ok=True)

@@ -20,7 +20,7 @@ import pytest
 
 from weenv.layerfmt import FileReader, Layer, build_layer
 from weenv.layerfmt._ids import OVERFLOW_ID, cap_to_host, cap_to_layer, to_host_id, to_layer_id
-from weenv.provision._idmap import (DEFAULT_BASE, DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert,
+from weenv.provision.runtime._idmap import (DEFAULT_BASE, DeviceNodeInTreeError, IdMap, apply_userns, make_tree_inert,
                                     own_cgroups_only, trees_for_base)
 
 from .fixtures_common import require_command, require_fuse

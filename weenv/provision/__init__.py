@@ -4,7 +4,7 @@ The daemon (:mod:`._daemon`) ties together the env lifecycle (:mod:`._envs`), th
 (:mod:`._runtime`), the cgroup backends (:mod:`.cgroups`) and the elastic monitor (:mod:`._monitor`).
 """
 
-from ._criu import criu_status as criu_status
+from .runtime import criu_status as criu_status
 from ._daemon import Daemon as Daemon
 from ._daemon import DaemonConfig as DaemonConfig
 from ._daemon import serve as serve
@@ -35,14 +35,14 @@ from ._errors import UserNotFoundError as UserNotFoundError
 from ._files import FileInfo as FileInfo
 from ._files import RootFS as RootFS
 from ._files import resolve_user as resolve_user
-from ._hostcheck import HostFacts as HostFacts
-from ._hostcheck import detect_host as detect_host
+from .runtime import HostFacts as HostFacts
+from .runtime import detect_host as detect_host
 from ._monitor import EnvMetrics as EnvMetrics
 from ._monitor import Monitor as Monitor
 from ._monitor import MonitorStatistics as MonitorStatistics
-from ._ocispec import BindMount as BindMount
-from ._ocispec import User as User
-from ._ocispec import build_spec as build_spec
+from .runtime import BindMount as BindMount
+from .runtime import User as User
+from .runtime import build_spec as build_spec
 from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
 from ._policy import Admission as Admission
 from ._policy import Decision as Decision
@@ -52,11 +52,11 @@ from ._policy import NodeView as NodeView
 from ._policy import PolicyConfig as PolicyConfig
 from ._policy import admit as admit
 from ._policy import decide as decide
-from ._runtime import ContainerState as ContainerState
-from ._runtime import CrunRuntime as CrunRuntime
-from ._runtime import ExecResult as ExecResult
-from ._runtime import Runtime as Runtime
-from ._runtime import prepare_bundle as prepare_bundle
+from .runtime import ContainerState as ContainerState
+from .runtime import CrunRuntime as CrunRuntime
+from .runtime import ExecResult as ExecResult
+from .runtime import Runtime as Runtime
+from .runtime import prepare_bundle as prepare_bundle
 from .cgroups import Cgroup as Cgroup
 from .cgroups import CgroupBackend as CgroupBackend
 from .cgroups import CgroupSample as CgroupSample

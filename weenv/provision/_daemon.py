@@ -21,7 +21,7 @@ from .. import __version__, _home
 from .. import _wire as wire
 from ..envlet import EnvletClient, EnvletError, EnvletProcess
 from ..plan import Lock, Plan, PlanError, apply_overrides, load_any, plan_from_builtins
-from ._agent import ensure_agent
+from .runtime._agent import ensure_agent
 from ._envs import EnvManager
 from ._errors import (
     AdmissionError,
@@ -39,8 +39,8 @@ from ._errors import (
 from ._http import HTTPError, Request, Response, Router, Send, Server, StreamResponse, error_info, json_response
 from ._monitor import PROMETHEUS_CONTENT_TYPE, Monitor
 from ._policy import PolicyConfig
-from ._runtime import ExecResult, Runtime
-from ._gvisor import node_runtime
+from .runtime._runtime import ExecResult, Runtime
+from .runtime._gvisor import node_runtime
 from ._snapshots import SnapshotNotFoundError
 from .cgroups import CgroupBackend, detect_backend
 
@@ -202,7 +202,7 @@ class Daemon:
         self.manager = EnvManager(envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend,
                                   monitor=self.monitor, envlet=self.envlet)
         if c.userns:
-            from ._idmap import IdMap
+            from .runtime._idmap import IdMap
 
             self.manager.idmap = IdMap(base=c.userns_base)
         self._trees_for_ids()
@@ -233,7 +233,7 @@ class Daemon:
         """Drop layer and snapshot trees written for other host ids (--userns changed) before they
         are found and stacked; not while envs that may stack them are left (a live envlet with the
         other base refuses this daemon anyway)."""
-        from ._idmap import trees_for_base
+        from .runtime._idmap import trees_for_base
 
         if os.path.isdir(self.envs_dir) and os.listdir(self.envs_dir):
             return

@@ -39,16 +39,16 @@ from ._errors import (
     ProcessNotFoundError,
     ProvisionError,
 )
-from ._agent import agent_listener
+from .runtime._agent import agent_listener
 from .._wire import ProcessEnd, ProcessInfo
 from ._files import RootFS, resolve_user
 from ._monitor import Monitor
-from ._ocispec import ROOT_USER, BindMount, User
+from .runtime._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
-from ._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
+from .runtime._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
 from ._errors import HostError
-from ._gvisor import ANNOTATION_RUNTIME, plan_runtime, start_cpu_hint
-from ._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, bundle_relative_paths, make_tree_inert,
+from .runtime._gvisor import ANNOTATION_RUNTIME, plan_runtime, start_cpu_hint
+from .runtime._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, bundle_relative_paths, make_tree_inert,
                      open_path_for_range, own_cgroups_only)
 from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
 from ._state import EnvRecord
@@ -644,7 +644,7 @@ class EnvManager:
         E2B's ``get_host``). The socket is made in a thread that entered the env's network namespace
         (a socket stays in the namespace it was made in; the thread is never reused), so the env
         needs no interface for it."""
-        from ._runtime import CLONE_NEWNET, _check, _libc, in_fresh_thread
+        from .runtime._runtime import CLONE_NEWNET, _check, _libc, in_fresh_thread
 
         rec = self._running(env_id)
         if not rec.init_pid:

@@ -1,4 +1,4 @@
-"""An in-memory :class:`~weenv.provision._runtime.Runtime` for unit tests of daemon logic; the runtime
+"""An in-memory :class:`~weenv.provision.runtime._runtime.Runtime` for unit tests of daemon logic; the runtime
 conformance tests (tests/test_runtime.py) run against it and against crun alike."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from weenv.provision._errors import (
     ProcessStateError,
     SpecError,
 )
-from weenv.provision._ocispec import User
-from weenv.provision._runtime import DEFAULT_MAX_OUTPUT_BYTES, ContainerState, ExecResult, Runtime
+from weenv.provision.runtime._ocispec import User
+from weenv.provision.runtime._runtime import DEFAULT_MAX_OUTPUT_BYTES, ContainerState, ExecResult, Runtime
 
 FakeCommand = Callable[[list[str], bytes], Awaitable[tuple[int, bytes, bytes]] | tuple[int, bytes, bytes]]
 

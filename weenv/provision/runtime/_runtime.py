@@ -51,7 +51,7 @@ from typing import Protocol
 import msgspec
 import trio
 
-from ._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, SpecError
+from .._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, SpecError
 from ._hostcheck import HostFacts, detect_host, private_mount_ns_recipe
 from ._ocispec import (
     ANNOTATION_AGENT_SOCKET,
@@ -64,7 +64,7 @@ from ._ocispec import (
     merge_env,
     render_etc_files,
 )
-from .. import _wire as wire
+from ... import _wire as wire
 from ._agent import agent_attach, agent_control, agent_exec, agent_list, agent_start, agent_wait
 
 _timing_log = logging.getLogger("weenv.runtime.timing")
@@ -231,7 +231,7 @@ class Runtime(abc.ABC):
 
 def prepare_bundle(bundle_dir: str, *, env_id: str, rootfs: str, host: HostFacts, network: str = "none", **spec_options) -> dict:
     """Write the env's /etc files into ``bundle_dir/etc`` and return its spec (see
-    :func:`~weenv.provision._ocispec.build_spec` for ``spec_options``)."""
+    :func:`~weenv.provision.runtime._ocispec.build_spec` for ``spec_options``)."""
     etc_dir = os.path.join(bundle_dir, "etc")
     os.makedirs(etc_dir, exist_ok=True)
     for name, data in render_etc_files(env_id, network, spec_options.pop("nameserver", None),

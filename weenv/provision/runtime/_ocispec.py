@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from ._errors import SpecError, UserNotFoundError
+from .._errors import SpecError, UserNotFoundError
 
 OCI_VERSION = "1.0.2"
 

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import trio
 
-from ._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, HostError, SpecError
+from .._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, HostError, SpecError
 from ._hostcheck import HostFacts, detect_host
 from ._ocispec import ANNOTATION_NETWORK, User
 from ._runtime import (

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from ..layerfmt._ids import CAPABILITY_XATTR, ID_COUNT, cap_to_host, to_host_id, to_layer_id
+from ...layerfmt._ids import CAPABILITY_XATTR, ID_COUNT, cap_to_host, to_host_id, to_layer_id
 
 # below 2^31: procps (ps) and other tools print uids from 2^31 up as negative numbers
 DEFAULT_BASE = 1 << 30

@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import trio
 
-from .._unixsock import bind_unix
-from .. import _wire as wire
-from ._errors import ContainerError, ProcessNotFoundError, ProcessStartError, ProcessStateError
+from ..._unixsock import bind_unix
+from ... import _wire as wire
+from .._errors import ContainerError, ProcessNotFoundError, ProcessStartError, ProcessStateError
 
 log = logging.getLogger("weenv.daemon")
 
