@@ -1,5 +1,5 @@
 """N envs starting Python at once on a warm node: group layers served by the envlet (FUSE) vs the
-same layers kept as local trees (what the daemon does for hot layers, weenv/provision/_trees.py).
+same layers kept as local trees (what the daemon does for hot layers, weenv/provision/envs/_trees.py).
 
     python -m benchmarks.layer_trees [--quick] [--envs 16]
 

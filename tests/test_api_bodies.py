@@ -500,8 +500,8 @@ def test_http_errors_and_answers_are_the_wire_types():
 
 def test_answer_structs_cover_what_the_daemon_records_hold(tmp_path):
     """A field added to an env or snapshot record must be added to its wire answer (or it is dropped)."""
-    from weenv.provision._snapshots import SnapshotRecord
-    from weenv.provision._state import EnvRecord
+    from weenv.provision.envs._snapshots import SnapshotRecord
+    from weenv.provision.envs._state import EnvRecord
 
     rec = EnvRecord(id="e-1", name="e", status="running", lock={"groups": [{"name": "os"}]})
     public = rec.public(str(tmp_path))
@@ -510,7 +510,7 @@ def test_answer_structs_cover_what_the_daemon_records_hold(tmp_path):
     snap = SnapshotRecord(id="snap-1", source_env="e-1", lock={"name": "p"})
     assert set(snap.public()) == set(wire.SnapshotInfo.__struct_fields__)
     msgspec.convert({**snap.public(), "lock": snap.lock}, wire.SnapshotDetail)
-    from weenv.provision._files import FileInfo
+    from weenv.provision.envs._files import FileInfo
     from weenv.provision.runtime._runtime import ExecResult
 
     assert FileInfo.__struct_fields__ == wire.FileInfo.__struct_fields__

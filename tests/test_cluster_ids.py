@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from weenv.cli import main
-from weenv.provision import _state
+from weenv.provision.envs import _state
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import pytest
 
 from weenv.provision._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
 from weenv.provision._errors import UserNotFoundError
-from weenv.provision._files import OPENAT2_AVAILABLE, RootFS, normalize, resolve_user
+from weenv.provision.envs._files import OPENAT2_AVAILABLE, RootFS, normalize, resolve_user
 from weenv.provision.runtime._ocispec import User
 
 

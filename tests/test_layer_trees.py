@@ -12,7 +12,7 @@ import time
 import pytest
 import trio
 
-from weenv.provision._trees import LayerTrees
+from weenv.provision.envs._trees import LayerTrees
 
 from .fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon, wait_for
 from .test_snapshots import overlay_lowers, tree_in_env

@@ -2,7 +2,7 @@
 toc_digest against the store and the layers registered on the node; bad lock files get a 400 that
 names the file (14.6); mount sources are checked again on the host, symlinks resolved (14.16).
 
-Unit tests drive :class:`weenv.provision._startcheck.LockVerifier` over a fake store; the
+Unit tests drive :class:`weenv.provision.envs._startcheck.LockVerifier` over a fake store; the
 integration tests use the session daemon (real envlet, registry store, crun) and a real envlet.
 """
 
@@ -20,7 +20,7 @@ import weenv
 import weenv.plan as wp
 from weenv.plan import LockedGroup, LockError
 from weenv.provision import SpecError
-from weenv.provision._startcheck import LockVerifier, check_mount_sources, check_registered
+from weenv.provision.envs._startcheck import LockVerifier, check_mount_sources, check_registered
 
 from .fixtures_daemon import leftovers
 

@@ -95,6 +95,10 @@ PUBLIC_API: dict[str, list[str]] = {
         "Runtime", "RuntimeRouter", "User", "build_spec", "criu_status", "detect_host", "node_runtime",
         "prepare_bundle",
     ],
+    "weenv.provision.envs": [
+        "EnvRecord", "FileInfo", "LayerTrees", "LockVerifier", "RootFS", "SnapshotNotFoundError", "SnapshotRecord",
+        "SnapshotStore", "resolve_user",
+    ],
     "weenv.provision.cgroups": [
         "ALL_FEATURES", "Cgroup", "CgroupBackend", "CgroupFs", "CgroupLayout", "CgroupSample", "PAGE_BYTES",
         "V1Backend", "V1Cgroup", "V2Backend", "V2Cgroup", "check_name", "detect_backend", "parse_layout",

@@ -16,7 +16,7 @@ import trio
 from tests.fixtures_runtime import make_busybox_rootfs, require_crun, start_env
 from weenv.provision._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, SpecError
 from weenv.provision._errors import UserNotFoundError
-from weenv.provision._files import resolve_user
+from weenv.provision.envs._files import resolve_user
 from weenv.provision.runtime._hostcheck import HostFacts, bind_unified_controllers_to_v1, detect_host, unbind_v1_controllers
 from weenv.provision.runtime._ocispec import DEFAULT_CAPABILITIES, DENIED_SYSCALLS, INIT_ARGS, INIT_PATH
 from weenv.provision.runtime._ocispec import BindMount, User, build_spec, default_seccomp, merge_env, parse_user

@@ -278,7 +278,7 @@ def test_files_the_env_writes_are_owned_by_range_ids_on_the_host(userns_daemon):
 def test_commit_records_the_envs_ids_and_a_fork_sees_them(userns_daemon):
     """Promise: the committed layer records uid 0 / 1000 (not host ids); its snapshot tree on the
     host is owned by range ids; a fork stacking that tree sees root and user owners inside."""
-    from weenv.provision._trees import LayerTrees
+    from weenv.provision.envs._trees import LayerTrees
 
     with userns_daemon.client() as c:
         env = c.create(userns_daemon.plan_lock)
@@ -329,7 +329,7 @@ def test_setuid_root_and_capability_files_made_in_the_env_are_inert_in_snapshot_
     """Promise: a setuid-root binary and a cap_sys_admin=ep binary that env root makes and commits
     give an unprivileged host user neither root nor the capability when run from the snapshot
     tree's files (controls: the same files made by host root do)."""
-    from weenv.provision._trees import LayerTrees
+    from weenv.provision.envs._trees import LayerTrees
 
     require_command("setpriv")
     os.chmod(tmp_path, 0o755)
@@ -372,7 +372,7 @@ def test_layer_trees_hold_range_ids_v3_capabilities_and_no_device_nodes(userns_d
     """Promise: a layer's setuid-root and capability files are written to its host-side tree as
     range ids and a v3 capability of the range's root; a layer shipping a device node gets no tree
     (it stays on the envlet's nodev mount, where the node does not open)."""
-    from weenv.provision._trees import LayerTrees
+    from weenv.provision.envs._trees import LayerTrees
 
     trees = os.path.join(userns_daemon.home, "layer-trees")
     with userns_daemon.client() as c:

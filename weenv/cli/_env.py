@@ -153,7 +153,7 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
     if node_name is not None:
         import re
 
-        from ..provision._state import NODE_NAME_PATTERN
+        from ..provision.envs._state import NODE_NAME_PATTERN
 
         if not re.fullmatch(NODE_NAME_PATTERN, node_name):
             raise click.BadParameter(f"{node_name!r}: 1 to 12 lowercase letters or digits", param_hint="--node-name")

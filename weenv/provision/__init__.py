@@ -32,9 +32,9 @@ from ._errors import MountError as MountError
 from ._errors import ProvisionError as ProvisionError
 from ._errors import SpecError as SpecError
 from ._errors import UserNotFoundError as UserNotFoundError
-from ._files import FileInfo as FileInfo
-from ._files import RootFS as RootFS
-from ._files import resolve_user as resolve_user
+from .envs import FileInfo as FileInfo
+from .envs import RootFS as RootFS
+from .envs import resolve_user as resolve_user
 from .runtime import HostFacts as HostFacts
 from .runtime import detect_host as detect_host
 from ._monitor import EnvMetrics as EnvMetrics

@@ -41,7 +41,7 @@ from ._monitor import PROMETHEUS_CONTENT_TYPE, Monitor
 from ._policy import PolicyConfig
 from .runtime._runtime import ExecResult, Runtime
 from .runtime._gvisor import node_runtime
-from ._snapshots import SnapshotNotFoundError
+from .envs._snapshots import SnapshotNotFoundError
 from .cgroups import CgroupBackend, detect_backend
 
 log = logging.getLogger("weenv.daemon")
@@ -182,7 +182,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig | None = None, *, runtime: Runtime | None = None,
                  backend: CgroupBackend | None = None):
         self.config = config or DaemonConfig()
-        from . import _state
+        from .envs import _state
 
         _state.set_node_name(self.config.node_name)
         home = self.config.home

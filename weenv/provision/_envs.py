@@ -26,7 +26,7 @@ from ..envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
 from ..plan import Lock, LockedGroup, LockError, Plan, apply_overrides, is_locked, plan_to_builtins
 from ..plan._model import network_policy
 from ..registry import LayoutStore
-from . import _mounts, _state
+from .envs import _mounts, _state
 from ._errors import (
     AdmissionError,
     CgroupError,
@@ -41,7 +41,7 @@ from ._errors import (
 )
 from .runtime._agent import agent_listener
 from .._wire import ProcessEnd, ProcessInfo
-from ._files import RootFS, resolve_user
+from .envs._files import RootFS, resolve_user
 from ._monitor import Monitor
 from .runtime._ocispec import ROOT_USER, BindMount, User
 from ._policy import EnvLimits
@@ -50,10 +50,10 @@ from ._errors import HostError
 from .runtime._gvisor import ANNOTATION_RUNTIME, plan_runtime, start_cpu_hint
 from .runtime._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, bundle_relative_paths, make_tree_inert,
                      open_path_for_range, own_cgroups_only)
-from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
-from ._state import EnvRecord
-from ._startcheck import LockVerifier, check_registered, check_start
-from ._trees import LayerTrees
+from .envs._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
+from .envs._state import EnvRecord
+from .envs._startcheck import LockVerifier, check_registered, check_start
+from .envs._trees import LayerTrees
 from .cgroups import Cgroup, CgroupBackend
 
 log = logging.getLogger("weenv.daemon")

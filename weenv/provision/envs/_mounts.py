@@ -11,7 +11,7 @@ import ctypes
 import errno
 import os
 
-from ._errors import MountError
+from .._errors import MountError
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]

@@ -29,8 +29,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from ._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
-from .runtime._ocispec import User, parse_user
+from .._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
+from ..runtime._ocispec import User, parse_user
 
 SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS = 0x02

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from ._errors import EnvError
+from .._errors import EnvError
 
 
 class SnapshotNotFoundError(EnvError, LookupError):

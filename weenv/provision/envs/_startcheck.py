@@ -20,9 +20,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..plan import Lock, LockedGroup, LockError, exposed_host_path
-from ..plan._lock import ManifestPins, check_manifest_pins, read_manifest_pins
-from ._errors import SpecError
+from ...plan import Lock, LockedGroup, LockError, exposed_host_path
+from ...plan._lock import ManifestPins, check_manifest_pins, read_manifest_pins
+from .._errors import SpecError
 
 MAX_REMEMBERED_MANIFESTS = 4096
 
@@ -30,7 +30,7 @@ OpenStore = Callable[[str | None], Any]  # registry host (None: the embedded sto
 
 
 def _open_store(registry: str | None) -> Any:
-    from ..registry import open_store
+    from ...registry import open_store
 
     return open_store(registry)
 
@@ -70,7 +70,7 @@ class LockVerifier:
 
     def fetch(self, lock: Lock, indices: list[int]) -> None:
         """Fetch the manifests of those groups by their pinned digests and remember what they pin."""
-        from ..registry import IntegrityError, NotFoundError
+        from ...registry import IntegrityError, NotFoundError
 
         by_store: dict[str | None, list[int]] = {}
         for i in indices:
@@ -134,7 +134,7 @@ def check_mount_sources(lock: Lock, *, home: str | None = None) -> None:
     """Each mount source resolved on the host (symlinks followed) must not expose it either."""
     if not lock.mounts:
         return
-    from .. import _home
+    from ... import _home
 
     real_home = os.path.realpath(home if home is not None else _home.home())
     for i, m in enumerate(lock.mounts):
