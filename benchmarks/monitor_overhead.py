@@ -18,8 +18,8 @@ import time
 
 import trio
 
-from weenv.provision._monitor import Monitor
-from weenv.provision._policy import EnvLimits
+from weenv.provision.elastic._monitor import Monitor
+from weenv.provision.elastic._policy import EnvLimits
 from weenv.provision.cgroups import detect_backend
 
 from ._util import Report, arg_parser

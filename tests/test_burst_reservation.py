@@ -8,8 +8,8 @@ import msgspec
 import trio
 from trio.testing import MockClock
 
-from weenv.provision._monitor import Monitor
-from weenv.provision._policy import DEFAULT_POLICY, EnvLimits, EnvQuotaState, NodeView, PolicyConfig, decide
+from weenv.provision.elastic._monitor import Monitor
+from weenv.provision.elastic._policy import DEFAULT_POLICY, EnvLimits, EnvQuotaState, NodeView, PolicyConfig, decide
 from weenv.provision.cgroups import CgroupSample
 from weenv.testing import FakeBackend
 

@@ -415,8 +415,8 @@ def test_memory_bomb_on_a_full_node_is_oom_killed_after_a_bounded_wait(crun_runt
     # Issue 16 item 4: with a max the node cannot cover right now, the monitor refuses to grow the
     # env; its allocation used to sleep at the limit (v1: oom_kill_disable 1, under_oom 1) for as
     # long as the exec lasted. Now the limit turns hard after memory_wait_s and the kernel kills.
-    from weenv.provision._monitor import Monitor
-    from weenv.provision._policy import EnvLimits, PolicyConfig
+    from weenv.provision.elastic._monitor import Monitor
+    from weenv.provision.elastic._policy import EnvLimits, PolicyConfig
 
     wait_s = 5.0
     node = (24 << 30, 300 * MIB)  # the node as the monitor sees it: a 4 GiB way to max never fits

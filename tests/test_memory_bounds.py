@@ -16,8 +16,8 @@ import trio
 from trio.testing import MockClock
 
 from tests.fixtures_cgroups import MIB, MimicCgroup2Fs
-from weenv.provision._monitor import Monitor
-from weenv.provision._policy import EnvLimits, EnvQuotaState, NodeView, PolicyConfig, admit, decide
+from weenv.provision.elastic._monitor import Monitor
+from weenv.provision.elastic._policy import EnvLimits, EnvQuotaState, NodeView, PolicyConfig, admit, decide
 from weenv.provision.cgroups import V2Backend
 from weenv.provision.cgroups._base import CgroupSample
 from weenv.testing import FakeBackend

@@ -13,8 +13,8 @@ import trio
 from trio.testing import MockClock
 
 from tests.fixtures_cgroups import MIB, Harness
-from weenv.provision._monitor import Monitor
-from weenv.provision._policy import EnvLimits, PolicyConfig
+from weenv.provision.elastic._monitor import Monitor
+from weenv.provision.elastic._policy import EnvLimits, PolicyConfig
 from weenv.testing import FakeBackend
 
 GIB = 1 << 30

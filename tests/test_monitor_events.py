@@ -15,8 +15,8 @@ from trio.testing import MockClock
 
 from tests.fixtures_cgroups import MIB
 from tests.test_monitor import run
-from weenv.provision._monitor import Monitor
-from weenv.provision._policy import EnvLimits, PolicyConfig
+from weenv.provision.elastic._monitor import Monitor
+from weenv.provision.elastic._policy import EnvLimits, PolicyConfig
 from weenv.testing import FakeBackend
 
 LIMITS = EnvLimits(cpu_min_cores=0.25, cpu_max_cores=2.0, memory_min_bytes=64 * MIB, memory_max_bytes=1 << 30)

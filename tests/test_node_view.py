@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from weenv.provision._monitor import Monitor
-from weenv.provision._policy import EnvLimits
+from weenv.provision.elastic._monitor import Monitor
+from weenv.provision.elastic._policy import EnvLimits
 from weenv.testing import FakeBackend
 
 from .fixtures_cgroups import require_v1_host

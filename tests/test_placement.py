@@ -2,7 +2,7 @@
 
 Each generated node is what a daemon's monitor sees (NodeView, policy, the mins of its envs); its
 report is made the way the agent makes it (``capacity_from_top`` of a /v1/top-shaped answer), and
-every decision is checked with ``weenv.provision._policy.admit``, the function the node's daemon
+every decision is checked with ``weenv.provision.elastic._policy.admit``, the function the node's daemon
 runs on create.
 """
 
@@ -25,7 +25,7 @@ from weenv.cluster import (
     place_group,
     rank,
 )
-from weenv.provision._policy import EnvLimits, NodeView, PolicyConfig, admit
+from weenv.provision.elastic._policy import EnvLimits, NodeView, PolicyConfig, admit
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weenv.provision._policy import DEFAULT_POLICY, EnvLimits, EnvQuotaState, NodeView, PolicyConfig
-from weenv.provision._policy import admit, adopt_state, decide, initial_state
+from weenv.provision.elastic._policy import DEFAULT_POLICY, EnvLimits, EnvQuotaState, NodeView, PolicyConfig
+from weenv.provision.elastic._policy import admit, adopt_state, decide, initial_state
 from weenv.provision.cgroups import CgroupSample
 from weenv.testing import FakeBackend
 

@@ -99,6 +99,11 @@ PUBLIC_API: dict[str, list[str]] = {
         "EnvRecord", "FileInfo", "LayerTrees", "LockVerifier", "RootFS", "SnapshotNotFoundError", "SnapshotRecord",
         "SnapshotStore", "resolve_user",
     ],
+    "weenv.provision.elastic": [
+        "Admission", "DEFAULT_POLICY", "Decision", "EnvLimits", "EnvMetrics", "EnvQuotaState", "Monitor",
+        "MonitorStatistics", "NodeView", "PROMETHEUS_CONTENT_TYPE", "PolicyConfig", "admit", "decide",
+        "render_prometheus",
+    ],
     "weenv.provision.cgroups": [
         "ALL_FEATURES", "Cgroup", "CgroupBackend", "CgroupFs", "CgroupLayout", "CgroupSample", "PAGE_BYTES",
         "V1Backend", "V1Cgroup", "V2Backend", "V2Cgroup", "check_name", "detect_backend", "parse_layout",

@@ -118,7 +118,7 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                                    f"`weenv daemon {ctx.invoked_subcommand}`")
         return
     from ..provision import DaemonConfig, serve
-    from ..provision._policy import PolicyConfig
+    from ..provision.elastic._policy import PolicyConfig
     from ._common import parse_size
 
     if memory_low_water >= memory_high_water:

@@ -76,7 +76,7 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
 
 def capacity_from_top(top: dict[str, Any], *, envs: int | None = None, live: set[str] | None = None) -> Capacity:
     """The node's capacity from its daemon's ``GET /v1/top`` answer (mirrors the daemon's admission:
-    weenv/provision/_policy.py ``admit``). ``live``: the ids ``GET /v1/envs`` lists; the monitor
+    weenv/provision/elastic/_policy.py ``admit``). ``live``: the ids ``GET /v1/envs`` lists; the monitor
     drops a killed env at its next tick, so only those count."""
     try:
         node = top["node"]

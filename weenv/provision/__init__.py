@@ -1,10 +1,13 @@
-"""Provisioning: plans composed into overlayfs rootfs run as isolated crun containers, sized by cgroups.
+"""Provisioning: plans composed into overlayfs rootfs run as isolated containers, sized by cgroups.
 
-The daemon (:mod:`._daemon`) ties together the env lifecycle (:mod:`._envs`), the crun runtime
-(:mod:`._runtime`), the cgroup backends (:mod:`.cgroups`) and the elastic monitor (:mod:`._monitor`).
+- :mod:`._daemon`: the daemon (``weenv daemon``), which builds the parts below and serves the HTTP API;
+- :mod:`._envs`: :class:`EnvManager`, the env lifecycle (create, warm pool, exec/files, TTL, commit/fork, gc);
+- :mod:`.envs`: an env on disk (record, mounts, layer trees, snapshots, start checks, file access);
+- :mod:`.runtime`: running it (the runtime seam, crun, gVisor, OCI spec, weenv-agent, user namespaces);
+- :mod:`.elastic`: resizing it (policy, monitor, prometheus rendering);
+- :mod:`.cgroups`: the cgroup backends (v1, v2).
 """
 
-from .runtime import criu_status as criu_status
 from ._daemon import Daemon as Daemon
 from ._daemon import DaemonConfig as DaemonConfig
 from ._daemon import serve as serve
@@ -32,37 +35,38 @@ from ._errors import MountError as MountError
 from ._errors import ProvisionError as ProvisionError
 from ._errors import SpecError as SpecError
 from ._errors import UserNotFoundError as UserNotFoundError
-from .envs import FileInfo as FileInfo
-from .envs import RootFS as RootFS
-from .envs import resolve_user as resolve_user
-from .runtime import HostFacts as HostFacts
-from .runtime import detect_host as detect_host
-from ._monitor import EnvMetrics as EnvMetrics
-from ._monitor import Monitor as Monitor
-from ._monitor import MonitorStatistics as MonitorStatistics
-from .runtime import BindMount as BindMount
-from .runtime import User as User
-from .runtime import build_spec as build_spec
-from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
-from ._policy import Admission as Admission
-from ._policy import Decision as Decision
-from ._policy import EnvLimits as EnvLimits
-from ._policy import EnvQuotaState as EnvQuotaState
-from ._policy import NodeView as NodeView
-from ._policy import PolicyConfig as PolicyConfig
-from ._policy import admit as admit
-from ._policy import decide as decide
-from .runtime import ContainerState as ContainerState
-from .runtime import CrunRuntime as CrunRuntime
-from .runtime import ExecResult as ExecResult
-from .runtime import Runtime as Runtime
-from .runtime import prepare_bundle as prepare_bundle
 from .cgroups import Cgroup as Cgroup
 from .cgroups import CgroupBackend as CgroupBackend
 from .cgroups import CgroupSample as CgroupSample
 from .cgroups import V1Backend as V1Backend
 from .cgroups import V2Backend as V2Backend
 from .cgroups import detect_backend as detect_backend
+from .elastic import Admission as Admission
+from .elastic import DEFAULT_POLICY as DEFAULT_POLICY
+from .elastic import Decision as Decision
+from .elastic import EnvLimits as EnvLimits
+from .elastic import EnvMetrics as EnvMetrics
+from .elastic import EnvQuotaState as EnvQuotaState
+from .elastic import Monitor as Monitor
+from .elastic import MonitorStatistics as MonitorStatistics
+from .elastic import NodeView as NodeView
+from .elastic import PolicyConfig as PolicyConfig
+from .elastic import admit as admit
+from .elastic import decide as decide
+from .envs import FileInfo as FileInfo
+from .envs import RootFS as RootFS
+from .envs import resolve_user as resolve_user
+from .runtime import BindMount as BindMount
+from .runtime import ContainerState as ContainerState
+from .runtime import CrunRuntime as CrunRuntime
+from .runtime import ExecResult as ExecResult
+from .runtime import HostFacts as HostFacts
+from .runtime import Runtime as Runtime
+from .runtime import User as User
+from .runtime import build_spec as build_spec
+from .runtime import criu_status as criu_status
+from .runtime import detect_host as detect_host
+from .runtime import prepare_bundle as prepare_bundle
 
 __all__ = ["Admission", "AdmissionError", "BindMount", "Cgroup", "CgroupBackend", "CgroupBusyError", "CgroupError",
            "CgroupExistsError", "CgroupNameError", "CgroupNotFoundError", "CgroupSample", "CgroupUnavailableError",

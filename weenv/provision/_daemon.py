@@ -37,8 +37,8 @@ from ._errors import (
     SpecError,
 )
 from ._http import HTTPError, Request, Response, Router, Send, Server, StreamResponse, error_info, json_response
-from ._monitor import PROMETHEUS_CONTENT_TYPE, Monitor
-from ._policy import PolicyConfig
+from .elastic import PROMETHEUS_CONTENT_TYPE, Monitor
+from .elastic._policy import PolicyConfig
 from .runtime._runtime import ExecResult, Runtime
 from .runtime._gvisor import node_runtime
 from .envs._snapshots import SnapshotNotFoundError

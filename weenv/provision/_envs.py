@@ -42,9 +42,9 @@ from ._errors import (
 from .runtime._agent import agent_listener
 from .._wire import ProcessEnd, ProcessInfo
 from .envs._files import RootFS, resolve_user
-from ._monitor import Monitor
+from .elastic._monitor import Monitor
 from .runtime._ocispec import ROOT_USER, BindMount, User
-from ._policy import EnvLimits
+from .elastic._policy import EnvLimits
 from .runtime._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
 from ._errors import HostError
 from .runtime._gvisor import ANNOTATION_RUNTIME, plan_runtime, start_cpu_hint

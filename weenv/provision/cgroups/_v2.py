@@ -122,7 +122,7 @@ class V2Cgroup(Cgroup):
         else:
             high, new_max = None, limit
         # memory.max first, raising or lowering: when an elastic limit becomes hard (the env waited
-        # its bounded time, weenv/provision/_policy.py) memory.high goes to "max" and memory.max
+        # its bounded time, weenv/provision/elastic/_policy.py) memory.high goes to "max" and memory.max
         # comes down to the limit; lifting memory.high first would let the throttled tasks run free
         # up to the old max in between. (memory.high above memory.max for a moment is harmless.)
         # Lowering memory.max below usage makes the kernel reclaim and then OOM-kill inside the

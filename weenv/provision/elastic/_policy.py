@@ -37,7 +37,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from .cgroups._base import CgroupSample, page_align_up
+from ..cgroups._base import CgroupSample, page_align_up
 
 _MIB = 1 << 20
 # Tick times are sums of floats; a hold of exactly N ticks must not miss by one ulp.
