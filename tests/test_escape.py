@@ -485,3 +485,26 @@ def test_exec_results_cannot_be_forged_under_gvisor(daemon, device_lock, escape_
         print(f"gvisor hijack probe:\n{log}")
         assert forged == [], f"{len(forged)} of 20 execs forged: {forged[:3]}\n{log}"
         assert "serving 0" in log and "answered a connection" not in log, log
+
+
+def test_env_root_cannot_change_the_hosts_dev_null(daemon, runtime):
+    """Promise: starting an env and running commands in it leave the host's /dev/null root's, and
+    env root cannot chmod it (in a user namespace crun binds the host's /dev/null into the env's
+    /dev). Found by this suite: crun before 1.23 fchowns its std streams to the env's root when
+    they are /dev/null (crun issue #1845), so every userns env start made the host's /dev/null the
+    range root's and env root could chmod it; crun now gets an empty pipe as stdin."""
+    kind, lock = runtime
+    if os.stat("/dev/null").st_uid != 0:  # left by runs before the fix (or by daemons still on it)
+        print(f"the host's /dev/null was owned by {os.stat('/dev/null').st_uid}: given back to root")
+        os.chown("/dev/null", 0, 0)
+    with daemon.client() as c, c.create(lock) as env:
+        assert env.exec(["sh", "-c", "echo x >/dev/null </dev/null"]).exit_code == 0
+        uid_map = env.exec(["cat", "/proc/self/uid_map"]).stdout.split()
+        host = os.stat("/dev/null")
+        dev, ino = (int(x) for x in env.exec(["stat", "-c", "%d %i", "/dev/null"]).stdout.split())
+        is_host_inode = (dev, ino) == (host.st_dev, host.st_ino)
+        r = env.exec(["chmod", "666", "/dev/null"])  # the mode it has: harmless if it works
+        print(f"{kind}: uid_map {uid_map}, the host's inode: {is_host_inode}, host owner {host.st_uid}, "
+              f"chmod rc {r.exit_code}")
+        assert host.st_uid == 0 and os.stat("/dev/null").st_uid == 0, f"{kind}: the host's /dev/null changed hands"
+        assert not (is_host_inode and r.exit_code == 0), f"{kind}: env root changed the host's /dev/null"

@@ -56,6 +56,7 @@ from ._runtime import (
     OutputCallback,
     Runtime,
     _CgroupFds,
+    _empty_stdin,
 )
 
 log = logging.getLogger("weenv.runtime")
@@ -110,14 +111,19 @@ def _probe_one(runsc: str, platform: str, static_binary: str, work: str, timeout
         json.dump(spec, f)
     base = [runsc, "--root", root, "--network=none", "--ignore-cgroups", f"--platform={platform}"]
     cid = f"weenv-probe-{platform}-{os.getpid()}"
+    # not /dev/null: runsc chowns its stdio to the sandbox's user (nobody), the host's /dev/null with it
+    stdin_r = _empty_stdin()
+    stdout = os.open(os.path.join(bundle, "stdout"), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        proc = subprocess.run([*base, "run", "--bundle", bundle, cid], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+        proc = subprocess.run([*base, "run", "--bundle", bundle, cid], stdin=stdin_r,
+                              stdout=stdout, stderr=subprocess.PIPE, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"hung for {timeout_s:g} s"
     except OSError as e:
         return f"could not run runsc: {e}"
     finally:
+        os.close(stdin_r)
+        os.close(stdout)
         subprocess.run([*base, "delete", "--force", cid], capture_output=True, timeout=30)
     if proc.returncode != 0:
         return f"exit status {proc.returncode}: {proc.stderr.decode(errors='replace').strip()[-300:]}"
@@ -323,8 +329,12 @@ class GvisorRuntime(CrunRuntime):
             with _CgroupFds(cgroup_procs) as cg:
                 argv = cg.wrap([*self._base, f"--platform={platform}", "run", "--detach", "--bundle", bundle_dir, "--pid-file", pid_file,
                                 "--user-log", log_path, env_id])
-                proc = await trio.run_process(argv, stdin=subprocess.DEVNULL, stdout=init_log, stderr=init_log,
-                                              check=False, pass_fds=tuple(cg.fds))
+                stdin_r = _empty_stdin()  # not /dev/null: runsc chowns its stdio to the sandbox's user
+                try:
+                    proc = await trio.run_process(argv, stdin=stdin_r, stdout=init_log, stderr=init_log,
+                                                  check=False, pass_fds=tuple(cg.fds))
+                finally:
+                    os.close(stdin_r)
         except OSError as exc:
             raise ContainerError("could not open the env's cgroups", env_id=env_id, detail=str(exc)) from exc
         finally:
@@ -388,6 +398,8 @@ class GvisorRuntime(CrunRuntime):
         pid_dir = tempfile.mkdtemp(prefix="exec-", dir=self.state_dir)
         pid_file = os.path.join(pid_dir, "pid")
         closing = [proc_r, proc_w, log_r, log_w]
+        if stdin is None:
+            closing.append(_empty_stdin())
         try:
             os.write(proc_w, payload)
             os.close(proc_w)
@@ -398,7 +410,7 @@ class GvisorRuntime(CrunRuntime):
             with _CgroupFds(cgroup_procs) as cg:
                 proc = await trio.lowlevel.open_process(
                     cg.wrap([*self._base, "exec", f"--process=/dev/fd/{proc_r}", "--internal-pid-file", pid_file, env_id]),
-                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    stdin=subprocess.PIPE if stdin is not None else closing[-1],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,

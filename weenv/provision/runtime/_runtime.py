@@ -318,6 +318,16 @@ class _CgroupFds:
         return ["/bin/sh", "-c", _TRAMPOLINE, "weenv-spawn", str(len(self.fds)), *map(str, self.fds), *argv]
 
 
+def _empty_stdin() -> int:
+    """crun's stdin instead of /dev/null: the read end of a pipe already closed for writing. In a
+    user namespace crun before 1.23 fchowns its std streams to the env's root (crun issue #1845),
+    and for /dev/null that is the host's /dev/null, which the env then owns through its bind in
+    the env's /dev (test_escape.py::test_env_root_cannot_change_the_hosts_dev_null)."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    os.close(w)
+    return r
+
+
 def in_fresh_thread(fn: Callable[[], object]) -> object:
     """Run ``fn`` in a thread of its own and return its result (or raise its exception).
 
@@ -575,10 +585,14 @@ class CrunRuntime(Runtime):
                     # ends, after we have our answer.
                     if recipe is not None:
                         recipe()
-                    return subprocess.run(
-                        argv, stdin=subprocess.DEVNULL, stdout=init_log, stderr=init_log,
-                        pass_fds=(*cg.fds, *([listen_fd] if listen_fd is not None else [])),
-                    ).returncode
+                    stdin_r = _empty_stdin()
+                    try:
+                        return subprocess.run(
+                            argv, stdin=stdin_r, stdout=init_log, stderr=init_log,
+                            pass_fds=(*cg.fds, *([listen_fd] if listen_fd is not None else [])),
+                        ).returncode
+                    finally:
+                        os.close(stdin_r)
 
                 _t0 = time.perf_counter()
                 returncode = await trio.to_thread.run_sync(in_fresh_thread, spawn)
@@ -662,6 +676,8 @@ class CrunRuntime(Runtime):
         proc_r, proc_w = os.pipe2(os.O_CLOEXEC)
         log_r, log_w = os.pipe2(os.O_CLOEXEC)
         closing = [proc_r, proc_w, log_r, log_w]
+        if stdin is None:
+            closing.append(_empty_stdin())
         try:
             if len(payload) > 60_000:  # over a pipe buffer the write below would block
                 raise SpecError(f"exec process description is {len(payload)} bytes; keep env and argv under 60 kB")
@@ -672,7 +688,7 @@ class CrunRuntime(Runtime):
             with _CgroupFds(cgroup_procs) as cg:
                 proc = await trio.lowlevel.open_process(
                     cg.wrap([*self._base, f"--log=file:/dev/fd/{log_w}", "exec", f"--process=/dev/fd/{proc_r}", env_id]),
-                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    stdin=subprocess.PIPE if stdin is not None else closing[-1],
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
