@@ -238,8 +238,9 @@ def test_a_group_of_forks_spreads_when_the_home_node_cannot_take_them_all(rw):
         src.exec("echo group-state > /root/state")
         kids = src.fork(3)
         nodes = [k.node for k in kids]
-        # the home takes what it admits (one more), the next best node the rest, through the store
-        assert nodes[0] == a and nodes.count(a) == 1 and len(set(nodes)) == 2, nodes
+        # the home admits one more only, so the group spreads through the store; the home (45 %
+        # committed) is past the load band of the empty nodes, so they come first
+        assert nodes.count(a) <= 1 and len(set(nodes)) >= 2, nodes
         assert all(k.exec("cat /root/state").stdout.decode() == "group-state\n" for k in kids)
     finally:
         for k in kids:
@@ -421,6 +422,7 @@ def test_the_gateway_places_creates_and_routes_exec_files_and_kill_by_env_id(rw,
         nodes = [node_of(e.id) for e in envs]
         print("gateway creates on", nodes)
         assert sorted(nodes) == rw.node_names()
+        rw.cluster.refresh()  # the test's own client: its routes come from the nodes' reports
         for i, e in enumerate(envs):
             e.write_file("/root/who", f"env{i}\n")
             assert e.exec("cat /root/who").stdout == f"env{i}\n".encode()
@@ -438,6 +440,16 @@ def test_the_gateway_places_creates_and_routes_exec_files_and_kill_by_env_id(rw,
             t_gw.append(t1 - t0)
         t_gw.sort(), t_direct.sort()
         print(f"exec p50 via gateway {t_gw[15] * 1e3:.2f} ms, direct {t_direct[15] * 1e3:.2f} ms")
+        # the command line against the gateway: weenv --host URL --token KEY
+        import subprocess
+        import sys
+
+        cli = [sys.executable, "-m", "weenv", "--host", gw.url, "--token", gw.keys["alice"]]
+        out = subprocess.run([*cli, "exec", envs[2].id, "--", "cat", "/root/who"], capture_output=True, timeout=60)
+        assert out.returncode == 0 and out.stdout == b"env2\n", out.stderr
+        listed = subprocess.run([*cli, "ps", "--json"], capture_output=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert {e.id for e in envs} <= {x["id"] for x in __import__("json").loads(listed.stdout)}
     finally:
         for e in envs:
             e.kill()

@@ -9,10 +9,11 @@ unchanged: one set of API keys (the gateway's ``$WEENV_HOME/api``), one routing 
 - Routing: an env's node comes from the node reports (``Cluster.for_env``; its id names its node,
   so a restarted gateway routes every env again from the first reports). An env on a lost node is
   a 410 ``env_lost`` naming the node and why.
-- Creates: the client :meth:`ClusterBackend.for_create` returns places ``POST /v1/envs`` itself
-  (an httpx transport reads the body): the plan's layers and minimums -> ranked nodes -> the first
-  that admits; a node answering 503 ``not_admitted`` (its state moved since its report) is skipped
-  for the next.
+- Creates and calls without an env id go to one client for the whole cluster (an httpx transport,
+  :class:`_ClusterTransport`): ``POST /v1/envs`` is placed from its body (the plan's layers and
+  minimums -> ranked nodes -> the first that admits; a node answering 503 ``not_admitted``, its
+  state moved since its report, is skipped for the next); lists and metrics gather every node's;
+  a snapshot's calls go to the node that holds it.
 - The gateway's address is kept in Ray's KV store (``weenv.Client(cluster="HEAD:6379")`` finds it).
 """
 
@@ -53,17 +54,58 @@ def _plan_of(body: dict[str, Any]) -> Any:
     return None
 
 
-class _PlacingTransport(httpx.AsyncBaseTransport):
-    """``POST /v1/envs``: place, then send to the first node that admits. Anything else: refused
-    (the app sends only creates through :meth:`ClusterBackend.for_create`'s client)."""
+class _ClusterTransport(httpx.AsyncBaseTransport):
+    """The whole cluster as one daemon, for the calls the app makes without an env id:
+    ``POST /v1/envs`` is placed (then sent to the first node that admits), ``GET /v1/envs`` /
+    ``/v1/snapshots`` gather every node's list, ``/v1/metrics`` every node's text, a snapshot's
+    calls go to the node that holds it, the rest (``/v1/ping``…) to the first node."""
 
     def __init__(self, backend: "ClusterBackend"):
         self.backend = backend
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.method != "POST" or request.url.path != "/v1/envs":
-            return _error(500, "internal", f"the cluster's create client got {request.method} {request.url.path}")
+        method, path = request.method, request.url.path
         body = await request.aread()
+        if method == "POST" and path == "/v1/envs":
+            return await self._create(request, body)
+        nodes = self.backend.node_clients()
+        if not nodes:
+            return _error(503, "daemon_unavailable", "no node of the cluster is reachable")
+        if method == "GET" and path in ("/v1/envs", "/v1/snapshots", "/v1/metrics"):
+            parts = []
+            for name, client in nodes:
+                try:
+                    resp = await self._send(client, request, body)
+                except httpx.TransportError as e:
+                    log.warning("node %s: %s %s: %s", name, method, path, e)
+                    continue
+                if resp.status_code >= 400:
+                    return _wrap(resp)
+                parts.append(resp)
+            if path == "/v1/metrics":
+                return _answer(200, "text/plain; version=0.0.4; charset=utf-8", b"".join(p.content for p in parts))
+            merged = [x for p in parts for x in p.json()]
+            return _answer(200, "application/json", msgspec.json.encode(merged))
+        target = nodes[0][1]
+        parts_ = path.split("/")
+        if len(parts_) > 3 and parts_[2] == "snapshots":
+            home = self.backend.snapshot_home(parts_[3])
+            target = dict(nodes).get(home, target) if home else target
+        elif len(parts_) > 3 and parts_[2] == "envs":
+            target = self.backend.for_env(parts_[3])
+        try:
+            return _wrap(await self._send(target, request, body))
+        except httpx.TransportError as e:
+            return _error(503, "daemon_unavailable", f"the node's daemon API does not answer: {e}")
+
+    @staticmethod
+    async def _send(client: AsyncClient, request: httpx.Request, body: bytes) -> httpx.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")}
+        resp = await client._http.request(request.method, request.url.path, params=request.url.params,
+                                          content=body or None, headers=headers, timeout=None)
+        return resp  # read: wrap it with _wrap() to hand it back
+
+    async def _create(self, request: httpx.Request, body: bytes) -> httpx.Response:
         try:
             parsed = msgspec.json.decode(body) if body else {}
         except msgspec.DecodeError as e:
@@ -72,15 +114,13 @@ class _PlacingTransport(httpx.AsyncBaseTransport):
             nodes = await self.backend.candidates(parsed if isinstance(parsed, dict) else {})
         except PlacementError as e:
             return _error(503, "not_admitted", str(e))
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")}
         last: httpx.Response | None = None
         for name in nodes:
             try:
                 client = self.backend.node_client(name)
+                resp = await self._send(client, request, body)
             except HttpError:
                 continue
-            try:
-                resp = await client._http.post("/v1/envs", content=body, headers=headers, timeout=None)
             except httpx.TransportError as e:
                 log.warning("node %s: its daemon API does not answer: %s", name, e)
                 continue
@@ -92,9 +132,9 @@ class _PlacingTransport(httpx.AsyncBaseTransport):
                     await self.backend.created(name, resp.json()["id"])
                 except (KeyError, ValueError, TypeError):
                     pass
-            return httpx.Response(resp.status_code, headers=resp.headers, content=resp.content)
+            return _wrap(resp)
         if last is not None:
-            return httpx.Response(last.status_code, headers=last.headers, content=last.content)
+            return _wrap(last)
         return _error(503, "not_admitted", f"no node of the cluster answered (tried {nodes})")
 
 
@@ -105,8 +145,39 @@ def _kind(resp: httpx.Response) -> str:
         return ""
 
 
+def _answer(status: int, content_type: str, body: bytes) -> httpx.Response:
+    """A transport's answer: a stream (the app relays it raw), not pre-read content."""
+    headers = {"content-type": content_type, "content-length": str(len(body))} if content_type else \
+        {"content-length": str(len(body))}
+    return httpx.Response(status, headers=headers, stream=httpx.ByteStream(body))
+
+
+def _wrap(resp: httpx.Response) -> httpx.Response:
+    return _answer(resp.status_code, resp.headers.get("content-type", ""), resp.content)
+
+
 def _error(status: int, kind: str, message: str) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"kind": kind, "message": message, "status": status}})
+    return _answer(status, "application/json",
+                   msgspec.json.encode({"error": {"kind": kind, "message": message, "status": status}}))
+
+
+class _NodeTransport(httpx.AsyncHTTPTransport):
+    """A node's daemon API; after a call that changes what placement reads (a kill, a fork, a
+    commit), the node's agent takes a fresh report, so the next create sees the room it freed."""
+
+    def __init__(self, backend: "ClusterBackend", node: str):
+        super().__init__()
+        self.backend, self.node = backend, node
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        resp = await super().handle_async_request(request)
+        path, method = request.url.path, request.method
+        if resp.status_code < 300 and ((method == "DELETE" and path.startswith("/v1/envs/") and path.count("/") == 3)
+                                       or (method == "POST" and path.endswith(("/fork", "/commit")))):
+            import anyio.to_thread
+
+            await anyio.to_thread.run_sync(self.backend.cluster.refresh_node, self.node)
+        return resp
 
 
 class ClusterBackend(Backend):
@@ -119,7 +190,7 @@ class ClusterBackend(Backend):
         self._clients: dict[str, tuple[str, AsyncClient]] = {}
         self._lock = threading.Lock()
         self._placer = AsyncClient("http://cluster", timeout_s=None, autostart=False)  # type: ignore[arg-type]
-        self._placer._http = httpx.AsyncClient(transport=_PlacingTransport(self), base_url="http://cluster",
+        self._placer._http = httpx.AsyncClient(transport=_ClusterTransport(self), base_url="http://cluster",
                                                timeout=None)
         self._placer._started = True
 
@@ -144,6 +215,8 @@ class ClusterBackend(Backend):
                 return held[1]
             client = AsyncClient(url, token=self.token, timeout_s=None, autostart=False)  # type: ignore[arg-type]
             client._started = True  # the reports say it answers; a refused connection is a 503
+            client._http = httpx.AsyncClient(transport=_NodeTransport(self, name), base_url=url, timeout=None,
+                                             headers={"Authorization": f"Bearer {self.token}"})
             self._clients[name] = (url, client)
         return client
 
@@ -161,14 +234,22 @@ class ClusterBackend(Backend):
     def for_create(self, request: dict[str, Any]) -> AsyncClient:
         return self._placer
 
-    def all(self) -> list[AsyncClient]:
+    def node_clients(self) -> list[tuple[str, AsyncClient]]:
+        """Every node that is not lost and serves its daemon API, by name."""
         out = []
         for node in self.cluster.all():
             try:
-                out.append(self.node_client(node.name))
+                out.append((node.name, self.node_client(node.name)))
             except HttpError:
                 continue
-        return out or [self._placer]
+        return out
+
+    def all(self) -> list[AsyncClient]:
+        """One client for the whole cluster (lists gathered from every node, snapshots at their home)."""
+        return [self._placer]
+
+    def snapshot_home(self, snap_id: str) -> str | None:
+        return self.cluster._snapshot_home.get(snap_id) or self.cluster._find_snapshot(snap_id)
 
     async def aclose(self) -> None:
         with self._lock:
