@@ -273,6 +273,14 @@ def test_background_command_kill_list_connect(sbx) -> None:  # type: ignore[no-u
     assert sbx.commands.kill(999_999) is False
 
 
+def test_connect_to_a_finished_command_is_not_found(sbx) -> None:  # type: ignore[no-untyped-def]
+    """As envd, which forgets a process when it ends: the SDK's NotFoundException, not a replay."""
+    h = sbx.commands.run("echo done", background=True)
+    assert h.wait().stdout == "done\n"
+    with pytest.raises(e2b.NotFoundException, match=str(h.pid)):
+        sbx.commands.connect(h.pid)
+
+
 def test_send_stdin_and_close(sbx) -> None:  # type: ignore[no-untyped-def]
     h = sbx.commands.run("read a; echo got:$a; cat", background=True, stdin=True)
     sbx.commands.send_stdin(h.pid, "one\n")

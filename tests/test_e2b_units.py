@@ -187,6 +187,40 @@ def test_stream_deadline_ends_with_deadline_exceeded() -> None:
     assert msgs[-1][0] == END_STREAM and json.loads(msgs[-1][1])["error"]["code"] == "deadline_exceeded"
 
 
+def test_a_process_stream_writes_what_is_ready_together() -> None:
+    """The headers go with the first event (not before the spawn), events already read share a
+    write, and the end event shares one with the end of the stream (each write to the SDK's TCP
+    connection is a wakeup of the client)."""
+    from weenv.api._envd import PROCESS_KEEPALIVE, EventStream
+
+    async def events() -> Any:
+        yield {"event": {"start": {"pid": 7}}}
+        yield {"event": {"data": {"stdout": "aGk="}}}
+        await asyncio.sleep(0.05)
+        yield {"event": {"end": {"exitCode": 0}}}
+
+    async def go() -> list[dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.sleep(60)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await EventStream(events(), None, 30.0, PROCESS_KEEPALIVE)({}, receive, send)
+        return sent
+
+    sent = asyncio.run(go())
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    first, last = (list(EnvelopeReader().feed(m["body"])) for m in sent[1:])
+    assert [json.loads(d) for _, d in first] == [{"event": {"start": {"pid": 7}}},
+                                                 {"event": {"data": {"stdout": "aGk="}}}]
+    assert sent[1]["more_body"] and not sent[2]["more_body"]
+    assert [f for f, _ in last] == [0, END_STREAM] and json.loads(last[0][1]) == {"event": {"end": {"exitCode": 0}}}
+
+
 def test_egress_policy_keeps_e2bs_meaning() -> None:
     from weenv.api._e2b import egress_policy
 

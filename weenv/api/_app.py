@@ -19,6 +19,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import logging
 import re
 import time
 import urllib.parse
@@ -304,6 +305,9 @@ async def serve(app: ASGIApp, listen: str = "127.0.0.1:3000", *, certfile: str |
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
+    httpx_log = logging.getLogger("httpx")
+    if httpx_log.level == logging.NOTSET:  # a line per daemon request (~0.1 ms each), unless asked for
+        httpx_log.setLevel(logging.WARNING)
     config = Config()
     config.bind = [listen]
     config.accesslog = None
