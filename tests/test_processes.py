@@ -257,6 +257,29 @@ def test_the_async_client_drives_a_process(daemon):  # noqa: F811
     trio.run(main)
 
 
+def test_a_process_that_ended_leaves_its_connection_for_the_next_request(daemon):  # noqa: F811
+    """The stream is read to its end, so httpx keeps the connection (weenv serve spawns one
+    process per E2B command: a new daemon connection each time cost a connect and an accept)."""
+    def idle(http) -> list[bool]:  # type: ignore[no-untyped-def]
+        return [conn.is_idle() for conn in http._transport._pool.connections]
+
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        for _ in range(2):
+            _out, end, _ = _output(env.spawn(["true"]).events())
+            assert end is not None and end.exit_code == 0
+            assert idle(c._http) == [True]
+
+    async def main() -> None:
+        async with daemon.async_client() as c, c.create(daemon.plan_lock) as env:
+            for _ in range(2):
+                proc = await env.spawn(["true"])
+                async for _ev in proc.events():
+                    pass
+                assert proc.end is not None and idle(c._http) == [True]
+
+    trio.run(main)
+
+
 # -- the runtime seam: the same promises from crun (through the agent) and from the fake ----------
 
 

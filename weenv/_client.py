@@ -280,6 +280,8 @@ class Process:
                     continue
                 if ev.end is not None:
                     self.end = ev.end
+                    for _rest in self._lines:  # read to the body's end (the daemon sends nothing after the
+                        break  # end): httpx then keeps the connection for the next request, not closes it
                 yield ev
                 if ev.end is not None:
                     return
@@ -376,6 +378,8 @@ class AsyncProcess:
                     continue
                 if ev.end is not None:
                     self.end = ev.end
+                    async for _rest in self._lines:  # as Process.events: to the body's end, the connection kept
+                        break
                 yield ev
                 if ev.end is not None:
                     return
