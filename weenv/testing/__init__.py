@@ -86,14 +86,14 @@ from ._slime import slime_args as slime_args
 from ._slime import train_side_checks as train_side_checks
 from ._slime import turns as turns
 
-__all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DaemonHandle", "ENV_VAR", "EgressDaemon",
+__all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DOORS_SOURCE", "DaemonHandle", "ENV_VAR", "EgressDaemon",
            "FakeBackend", "FakeCgroup", "FakeChunkTier", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore",
            "Fault",
            "FixtureCacheError", "HostUnsupported", "LegacySample", "OUTSIDE_A", "OUTSIDE_B", "OUTSIDE_BIG_BYTES",
            "OUTSIDE_HOST", "OUTSIDE_NAMES", "OUTSIDE_OTHER_PORT", "OUTSIDE_PORT", "Outside", "PROBE_SOURCE", "Proxy",
-           "ProxyLog", "RegistryProcess", "Reply", "Sample", "attempts", "busybox_plan", "busybox_tree",
+           "ProxyLog", "RegistryProcess", "Reply", "SHIPPED_DEVICES", "Sample", "attempts", "busybox_plan", "busybox_tree",
            "byte_tokenizer", "cache_root", "cached", "check_debian_tar", "check_executable", "check_file", "check_tar",
-           "check_tree", "debian_tar", "debian_tar_name", "egress_daemon", "extracted", "find", "leftovers",
+           "check_tree", "debian_tar", "debian_tar_name", "device_plan", "egress_daemon", "extracted", "find", "leftovers",
            "parse_rollout_result", "require_fuse", "require_root", "require_tool", "rollout_binary", "sampling_params",
            "slime_args", "source_tree", "start_proxy", "start_registry", "stop_proxy", "stop_registry",
            "teardown_private_daemon", "train_side_checks", "turns", "wait_for", "weenv_links"]
