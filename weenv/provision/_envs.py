@@ -644,7 +644,7 @@ class EnvManager:
         E2B's ``get_host``). The socket is made in a thread that entered the env's network namespace
         (a socket stays in the namespace it was made in; the thread is never reused), so the env
         needs no interface for it."""
-        from .runtime._runtime import CLONE_NEWNET, _check, _libc, in_fresh_thread
+        from .runtime._ns import CLONE_NEWNET, _check, _libc, in_fresh_thread
 
         rec = self._running(env_id)
         if not rec.init_pid:

@@ -1,8 +1,9 @@
 """Running an env: the runtime seam and what sits behind it.
 
-- :mod:`._runtime`: the :class:`Runtime` interface the daemon drives, :class:`CrunRuntime` (crun),
-  the bundle (:func:`prepare_bundle`) and the namespace/ctypes helpers crun's processes are
-  started with;
+- :mod:`._runtime`: the :class:`Runtime` interface the daemon drives, :class:`CrunRuntime` (crun)
+  and the bundle (:func:`prepare_bundle`);
+- :mod:`._ns`: the low-level helpers under crun: ctypes (setns, unshare, mount_setattr), fresh
+  threads for namespace changes, the cgroup trampoline, killing an exec's process tree;
 - :mod:`._gvisor`: :class:`GvisorRuntime` (runsc) and :class:`RuntimeRouter`, which sends each env
   to the runtime its plan asks for;
 - :mod:`._ocispec`: the OCI ``config.json`` (capabilities, seccomp, mounts, users, ``/etc`` files);

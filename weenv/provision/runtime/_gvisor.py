@@ -47,17 +47,8 @@ import trio
 from .._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, HostError, SpecError
 from ._hostcheck import HostFacts, detect_host
 from ._ocispec import ANNOTATION_NETWORK, User
-from ._runtime import (
-    DEFAULT_MAX_OUTPUT_BYTES,
-    TRAMPOLINE_FAILED,
-    ContainerState,
-    CrunRuntime,
-    ExecResult,
-    OutputCallback,
-    Runtime,
-    _CgroupFds,
-    _empty_stdin,
-)
+from ._ns import TRAMPOLINE_FAILED, _CgroupFds, _empty_stdin
+from ._runtime import DEFAULT_MAX_OUTPUT_BYTES, ContainerState, CrunRuntime, ExecResult, OutputCallback, Runtime
 
 log = logging.getLogger("weenv.runtime")
 
