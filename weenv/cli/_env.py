@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -90,6 +91,11 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
                    "[default: crun, or $WEENV_RUNTIME].")
 @click.option("--node-name", default=None, metavar="NAME",
               help="Start every env id with NAME- (1-12 of a-z0-9; a cluster routes ids by it) [default: $WEENV_NODE_NAME].")
+@click.option("--envlet-peer-listen", default=None, metavar="HOST:PORT",
+              help="Serve this node's cached chunks to the cluster's other nodes on HOST:PORT and read theirs "
+                   "(the envlet's peer tier; a cluster agent sets it; docs/cluster.md, \"Peer chunk tier\").")
+@click.option("--cluster-token-file", default=None, metavar="PATH",
+              help="File holding the cluster token peers must present (with --envlet-peer-listen).")
 @click.option("--userns/--no-userns", default=None,
               help="Run every crun env in a user namespace: env root is an unprivileged host uid "
                    "(docs/security.md); --no-userns: env root is host root [default: on, or $WEENV_USERNS=0/1].")
@@ -105,7 +111,8 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                egress_interfaces: tuple[str, ...] = (), egress_range: str | None = None,
                egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0,
                node_name: str | None = None, default_runtime: str | None = None, userns: bool | None = None,
-               userns_base: int | None = None) -> None:
+               userns_base: int | None = None, envlet_peer_listen: str | None = None,
+               cluster_token_file: str | None = None) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
     `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
@@ -158,6 +165,21 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
         if not re.fullmatch(NODE_NAME_PATTERN, node_name):
             raise click.BadParameter(f"{node_name!r}: 1 to 12 lowercase letters or digits", param_hint="--node-name")
         config.node_name = node_name
+    if envlet_peer_listen is not None:
+        from ..envlet._tier_peer import parse_address
+
+        if not cluster_token_file:
+            raise click.BadParameter("needs --cluster-token-file (peers must present the cluster token)",
+                                     param_hint="--envlet-peer-listen")
+        try:
+            parse_address(envlet_peer_listen, "--envlet-peer-listen")
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--envlet-peer-listen") from None
+        if not os.path.isfile(cluster_token_file):
+            raise click.BadParameter(f"{cluster_token_file}: no such file", param_hint="--cluster-token-file")
+        config.envlet_tiers = ["memory", "disk", "peer", "registry"]
+        config.envlet_tier_options = {"peer.listen": envlet_peer_listen,
+                                      "peer.token_file": os.path.abspath(cluster_token_file)}
     if userns is not None:
         config.userns = userns
     if userns_base is not None:

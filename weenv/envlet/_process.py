@@ -21,7 +21,8 @@ class EnvletProcess:
                  memory_cache_size_bytes: int = 256 << 20, deadline_s: float = 30.0, state_file: str | None = None,
                  log_path: str | None = None, readahead_bytes: int | None = None, neighbor_bytes: int | None = None,
                  metrics_port: int | None = None, tiers: "Sequence[str] | None" = None, id_base: int = 0,
-                 fair: bool | None = None, fair_share_cores: float | None = None, env_cgroup: str | None = None):
+                 fair: bool | None = None, fair_share_cores: float | None = None, env_cgroup: str | None = None,
+                 tier_options: "dict[str, str] | None" = None):
         self.mountpoint = mountpoint
         self.cache_dir = cache_dir
         self.control_socket = control_socket
@@ -40,6 +41,8 @@ class EnvletProcess:
             self.args += ["--metrics-port", str(metrics_port)]
         if tiers is not None:
             self.args += ["--tiers", ",".join(tiers)]
+        for key, value in (tier_options or {}).items():
+            self.args += ["--tier-option", f"{key}={value}"]
         if id_base:
             self.args += ["--id-base", str(id_base)]
         if fair is not None:

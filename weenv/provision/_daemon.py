@@ -81,6 +81,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     monitor at once); 1 reads every env every tick."""
     policy: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
     """Thresholds, hold time, node reserve, burst budget, admission overcommit (docs/elastic.md)."""
+    # the envlet's chunk tiers (None: memory, disk, registry) and their --tier-option settings; a
+    # cluster node adds the peer tier (docs/cluster.md, "Peer chunk tier"; weenv daemon --envlet-peer-listen)
+    envlet_tiers: list[str] | None = None
+    envlet_tier_options: dict[str, str] = {}
     envlet_check_interval_s: float = 0.5  # a ping is ~0.1 ms; a dead envlet is back within 2 s (start ~0.7 s)
     cgroup_root: str = "weenv"  # weenv's parent group, under this process's own cgroup
     use_agent: bool = True  # weenv-agent as the env init (fast exec); False: catatonit + crun exec
@@ -227,7 +231,8 @@ class Daemon:
                              self.envlet_socket, cache_size_bytes=c.envlet_cache_size_bytes,
                              memory_cache_size_bytes=c.envlet_memory_cache_size_bytes,
                              deadline_s=c.envlet_deadline_s, id_base=self._id_base,
-                             env_cgroup=c.cgroup_root)  # the envlet charges requests to the envs' groups
+                             env_cgroup=c.cgroup_root,  # the envlet charges requests to the envs' groups
+                             tiers=c.envlet_tiers, tier_options=c.envlet_tier_options)
 
     def _trees_for_ids(self) -> None:
         """Drop layer and snapshot trees written for other host ids (--userns changed) before they
