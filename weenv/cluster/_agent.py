@@ -73,7 +73,8 @@ class NodeAgent:
 
     def __init__(self, *, token_sha256: str | None, report_interval_s: float = 2.0, node_name: str | None = None,
                  cgroup_root: str | None = None, ray_node_id: str | None = None, start_daemon: bool = True,
-                 daemon_start_timeout_s: float = 60.0, serve_tcp: bool | None = None):
+                 daemon_start_timeout_s: float = 60.0, serve_tcp: bool | None = None, peer_listen: str | None = None,
+                 peer_token: str | None = None):
         self.home = _home.home()
         self.ray_node_id = ray_node_id or _current_ray_node_id()
         self.node = node_name or os.environ.get("WEENV_NODE_NAME") or node_name_for(self.ray_node_id)
@@ -94,6 +95,10 @@ class NodeAgent:
         self.daemon_pid = 0
         self.started_daemon = False
         self._daemon_proc: subprocess.Popen[bytes] | None = None
+        # the envlet's peer tier (docs/cluster.md, "Peer chunk tier"): HOST:PORT it serves chunks on,
+        # with the node's cluster token, else the one the cluster passed
+        self.peer_listen = peer_listen or os.environ.get("WEENV_PEER_LISTEN") or None
+        self._peer_token = _node_token(self.home) or peer_token
         if start_daemon:
             self._ensure_daemon(daemon_start_timeout_s)
         self.node_api: Any = None
@@ -135,10 +140,20 @@ class NodeAgent:
         if ping is None:
             os.makedirs(self.home, exist_ok=True)
             log_path = os.path.join(self.home, "cluster-daemon.log")
+            peer_args = []
+            if self.peer_listen:
+                if not self._peer_token:
+                    raise ClusterError(f"node {self.node}: peer_listen={self.peer_listen!r} needs a cluster token "
+                                       f"($WEENV_CLUSTER_TOKEN, $WEENV_HOME/cluster.token, or the cluster's)")
+                token_file = os.path.join(self.home, "peer.token")
+                fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(self._peer_token)
+                peer_args = ["--envlet-peer-listen", self.peer_listen, "--cluster-token-file", token_file]
             with open(log_path, "ab") as out:
                 self._daemon_proc = subprocess.Popen(
                     ["setsid", "-f", sys.executable, "-m", "weenv", "daemon", "--cgroup-root", self.cgroup_root,
-                     "--node-name", self.node],
+                     "--node-name", self.node, *peer_args],
                     env={**os.environ, "WEENV_HOME": self.home}, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
             self.started_daemon = True
             deadline = time.monotonic() + timeout_s
@@ -184,6 +199,7 @@ class NodeAgent:
         layers: dict[str, LayerHeld] = {}
         l2_capacity = None
         fetched = 0
+        peer_address = ""
         try:
             ping = self._get("/v1/ping")
             self.daemon_pid = int(ping["pid"])
@@ -203,6 +219,7 @@ class NodeAgent:
             stats = envlet.stats()
             l2_capacity = stats.get("l2_capacity_bytes")
             fetched = int(stats.get("remote_bytes", 0))
+            peer_address = str(((stats.get("peer") or {}).get("tier") or {}).get("address") or "")
             self._note_layers([(x.digest, x.size) for x in registered])
             for x in registered:
                 layers[x.digest] = LayerHeld(digest=x.digest, size_bytes=x.size, where="envlet")
@@ -226,7 +243,7 @@ class NodeAgent:
                 node=self.node, ray_node_id=self.ray_node_id, seq=self._seq, taken_s=time.time(), healthy=healthy,
                 accepting=healthy, problem=problem, home=self.home, daemon_address=self.api_url,
                 daemon_pid=self.daemon_pid, node_api=self.node_api.url if self.node_api is not None else "",
-                store_bytes_fetched=fetched, capacity=capacity,
+                store_bytes_fetched=fetched, peer_address=peer_address, capacity=capacity,
                 layers=list(layers.values()), snapshots=snaps, envs=envs)
 
     # ------------------------------------------------------------------ calls (all but hello need the token)
@@ -257,6 +274,21 @@ class NodeAgent:
         self._check(token)
         self._refresh()
         return self.report(token)
+
+    def set_peers(self, token: str | None, table: dict[str, list[str]]) -> dict[str, Any]:
+        """Set the envlet's peer table (the cluster sends it after each report round: the other
+        healthy nodes' peer addresses and layers, :func:`weenv.cluster._report.peer_tables`)."""
+        self._check(token)
+        from ..envlet import EnvletClient
+
+        return EnvletClient(os.path.join(self.home, "run", "envlet.sock")).set_peers(table)
+
+    def set_peer_serving(self, token: str | None, enabled: bool) -> dict[str, Any]:
+        """Start or stop serving chunks to peers (False: the node is drained or lost)."""
+        self._check(token)
+        from ..envlet import EnvletClient
+
+        return EnvletClient(os.path.join(self.home, "run", "envlet.sock")).set_peer_serving(enabled)
 
     def request(self, token: str | None, method: str, path: str, *, json_body: Any = None, content: bytes | None = None,
                 params: dict[str, str] | None = None, timeout_s: float | None = None) -> tuple[int, str, bytes]:

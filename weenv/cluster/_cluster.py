@@ -36,7 +36,7 @@ from ._errors import (
 )
 from ._placement import ClusterView, PlacementRequest, place_group, rank, request_for
 from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconciler
-from ._report import NodeReport, node_of
+from ._report import NodeReport, node_of, peer_tables
 
 log = logging.getLogger("weenv.cluster")
 
@@ -252,6 +252,8 @@ class Cluster:
         self._thread: threading.Thread | None = None
         self._sync_thread: threading.Thread | None = None
         self._view: tuple[tuple[tuple[str, int, float], ...], ClusterView] | None = None
+        self._peers_sent: dict[str, tuple[float, dict[str, list[str]]]] = {}  # node -> (when, peer table)
+        self.peer_resend_s = 15.0  # a table is sent again this often (an envlet restarted since forgets it)
 
     # ------------------------------------------------------------------ agents
 
@@ -272,7 +274,8 @@ class Cluster:
                 continue
             opts = dict(name=agent_name(ray_id), namespace=AGENT_NAMESPACE, lifetime="detached", get_if_exists=True,
                         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_id, soft=False))
-            actor = agent_class().options(**opts).remote(token_sha256=token_digest(self.token),
+            extra = {"peer_token": self.token} if self.agent_options.get("peer_listen") else {}
+            actor = agent_class().options(**opts).remote(token_sha256=token_digest(self.token), **extra,
                                                          report_interval_s=self.report_interval_s,
                                                          **self.agent_options)
             client = NodeClient("?", actor, self.token)
@@ -301,8 +304,31 @@ class Cluster:
             try:
                 with self._lock:
                     self.reconciler.tick()
+                self._push_peers()
             except Exception:
                 log.exception("cluster reconcile tick failed")
+
+    def _push_peers(self) -> None:
+        """Give every node's envlet its peer table out of the latest reports (issue 20: no discovery
+        protocol of its own): the other healthy, accepting nodes' peer addresses -> their layers.
+        Sent when it changed (or every ``peer_resend_s``), without waiting for the answer."""
+        now = time.monotonic()
+        with self._lock:
+            entries = [e for e in self.reconciler.nodes.values() if e.report is not None]
+            usable = {e.name for e in entries if e.state is NodeState.HEALTHY and e.report.accepting}  # type: ignore[union-attr]
+            tables = peer_tables([e.report for e in entries if e.state is not NodeState.LOST], usable)  # type: ignore[misc]
+            clients = {n: self.clients.get(n) for n in tables}
+        for node, table in tables.items():
+            sent = self._peers_sent.get(node)
+            client = clients[node]
+            if client is None or (sent is not None and sent[1] == table and now - sent[0] < self.peer_resend_s):
+                continue
+            try:
+                client.actor.set_peers.remote(client._token, table)
+            except Exception as e:  # the actor handle is gone: the reconciler finds out
+                log.warning("node %s: peer table not sent: %s", node, e)
+                continue
+            self._peers_sent[node] = (now, table)
 
     def _sync(self) -> None:
         while not self._stop.wait(self.node_sync_s):
@@ -393,6 +419,12 @@ class Cluster:
         self._lost_listeners.append(callback)
 
     def _on_lost(self, entry: NodeEntry) -> None:
+        client = self.clients.get(entry.name)
+        if client is not None and entry.report is not None and entry.report.peer_address:
+            try:  # if its envlet still runs, it stops serving peers (the others drop it from their tables)
+                client.actor.set_peer_serving.remote(client._token, False)
+            except Exception:
+                pass
         ids = {env_id for env_id, node in self._routes.items() if node == entry.name}
         if entry.report is not None:
             ids.update(env.id for env in entry.report.envs)

@@ -68,10 +68,22 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     daemon_pid: int = 0
     node_api: str = ""  # http://ip:port: the daemon on the cluster network (cluster token required), or ""
     store_bytes_fetched: int = 0  # bytes its envlet read from stores (registries) since it started
+    peer_address: str = ""  # HOST:PORT its envlet serves cached chunks to peers on (the peer tier), or ""
     capacity: Capacity
     layers: list[LayerHeld] = []
     snapshots: list[SnapshotHeld] = []
     envs: list[EnvHeld] = []
+
+
+def peer_tables(reports: "list[NodeReport]", usable: "set[str] | None" = None) -> dict[str, dict[str, list[str]]]:
+    """For every node with a peer address: its envlet's peer table {other node's peer address: the
+    layer digests that node reports}, over the nodes in ``usable`` (None: all) whose report is
+    healthy and names a peer address. A node never lists itself; a lost, unhealthy or drained node
+    (left out of ``usable``) is in nobody's table."""
+    holders = {r.node: r for r in reports if r.peer_address and r.healthy and (usable is None or r.node in usable)}
+    return {r.node: {o.peer_address: sorted({x.digest for x in o.layers})
+                     for o in holders.values() if o.node != r.node and o.peer_address != r.peer_address}
+            for r in reports if r.peer_address}
 
 
 def capacity_from_top(top: dict[str, Any], *, envs: int | None = None, live: set[str] | None = None) -> Capacity:
