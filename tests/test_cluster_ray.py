@@ -78,7 +78,8 @@ def rw(registry, tmp_path_factory):
     try:
         local.start()
         cluster = wc.connect(token=TOKEN, store=f"{registry.host}/ct/snaps", report_interval_s=0.5,
-                             call_timeout_s=5.0, failure_threshold=3, wait_s=120)
+                             call_timeout_s=5.0, failure_threshold=3, wait_s=120,
+                             agent_options={"peer_listen": "127.0.0.1:0"})  # every envlet with the peer tier
         cluster.wait_ready(60, nodes=3)
         print(f"cluster of 3 nodes up in {time.monotonic() - t0:.1f} s")
         yield RayWeenv(local, cluster, local.homes, local.cgroup_roots, plan_bb, plan_bt, registry.host)
@@ -179,6 +180,53 @@ def test_an_env_whose_plan_is_cached_on_b_lands_on_b(rw):
         env.kill()
     finally:
         busy.kill()
+
+
+def test_a_layer_read_on_node_a_is_fetched_from_a_by_node_b_not_from_the_registry(rw, tmp_path):
+    """Issue 20: the cluster gives every envlet its peer table out of the node reports."""
+    from weenv.envlet import EnvletClient
+    from weenv.plan import load_plan, lock_plan, plan_to_builtins
+    from weenv.registry import publish, resolve_group
+
+    c = rw.cluster
+    a, b = rw.node_names()[0], rw.node_names()[2]
+    src = tmp_path / "src"
+    (src / "task").mkdir(parents=True)
+    (src / "task" / "data.bin").write_bytes(os.urandom(3 << 20))  # a layer no node has seen
+    publish(str(src), f"{rw.registry_host}/ct/peer:one", group="task", group_class="task")
+    text = (f'name = "pt"\n\n[[groups]]\nname = "os"\nref = "{rw.registry_host}/ct/os:test"\nclass = "os"\n\n'
+            f'[[groups]]\nname = "task"\nref = "{rw.registry_host}/ct/peer:one"\nclass = "task"\n\n'
+            '[resources]\npids = 128\ndisk = "32MiB"\n\n[resources.cpu]\nmin = 0.05\nmax = 0.5\n\n'
+            '[resources.memory]\nmin = "32MiB"\nmax = "256MiB"\n')
+    (tmp_path / "pt.toml").write_text(text)
+    plan = plan_to_builtins(lock_plan(load_plan(str(tmp_path / "pt.toml")), resolve_group))
+    digest = plan["groups"][1]["layer_digest"]
+    on_a = c.create(plan, node=a)
+    try:
+        assert on_a.exec("md5sum /task/data.bin").exit_code == 0  # every chunk now in a's disk cache
+        a_addr = c.report(a).peer_address
+        assert a_addr.startswith("127.0.0.1:"), c.report(a)
+        b_envlet = EnvletClient(os.path.join(c.report(b).home, "run", "envlet.sock"))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # a's next report names the layer; then b's table does
+            peers = b_envlet.stats()["peer"]["tier"]["peers"]
+            if a_addr in peers and digest in {x.digest for x in c.report(a).layers} and peers[a_addr]["layers"] >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"b's envlet never got a's layers: {b_envlet.stats()['peer']}")
+        on_b = c.create(plan, node=b)
+        try:
+            want = on_a.exec("md5sum /task/data.bin").stdout
+            assert on_b.exec("md5sum /task/data.bin").stdout == want
+            tiers = b_envlet.stats()["layer_tiers"][digest]  # while registered: per layer digest
+        finally:
+            on_b.kill()
+        print("node b, layer tiers of the new layer:", tiers)
+        assert tiers.get("peer", {}).get("bytes", 0) >= 1 << 20, tiers
+        assert tiers.get("registry", {}).get("bytes", 0) == 0, tiers
+    finally:
+        on_a.kill()
 
 
 def test_a_fork_of_a_snapshot_held_on_node_a(rw):
