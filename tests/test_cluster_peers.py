@@ -80,3 +80,35 @@ def test_the_cluster_sends_each_table_once_until_it_changes_and_a_lost_node_stop
     calls.clear()
     c._push_peers()
     assert calls == [("n1", "set_peers", "tok", {})]  # n1 no longer asks n2
+
+
+def test_the_daemon_refuses_a_peer_listen_it_cannot_use(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import weenv.provision
+    from weenv.cli import main
+
+    served = []
+    monkeypatch.setattr(weenv.provision, "serve", lambda config, debug=False: served.append(config))
+    r = CliRunner().invoke(main, ["daemon", "--envlet-peer-listen", "127.0.0.1:7070"])
+    assert r.exit_code == 2 and "needs --cluster-token-file" in r.output
+    token = tmp_path / "token"
+    r = CliRunner().invoke(main, ["daemon", "--envlet-peer-listen", "nowhere", "--cluster-token-file", str(token)])
+    assert r.exit_code == 2 and "'nowhere': give HOST:PORT" in r.output
+    r = CliRunner().invoke(main, ["daemon", "--envlet-peer-listen", "127.0.0.1:0", "--cluster-token-file", str(token)])
+    assert r.exit_code == 2 and "no such file" in r.output
+    token.write_text("t")
+    r = CliRunner().invoke(main, ["daemon", "--envlet-peer-listen", "127.0.0.1:0", "--cluster-token-file", str(token)])
+    assert r.exit_code == 0, r.output
+    assert served[0].envlet_tiers == ["memory", "disk", "peer", "registry"]
+    assert served[0].envlet_tier_options == {"peer.listen": "127.0.0.1:0", "peer.token_file": str(token)}
+
+
+def test_the_envlet_process_passes_tiers_and_tier_options():
+    from weenv.envlet import EnvletProcess
+
+    p = EnvletProcess("/m", "/c", "/s", tiers=["memory", "disk", "peer", "registry"],
+                      tier_options={"peer.listen": "127.0.0.1:0", "peer.token_file": "/t"})
+    assert p.args[p.args.index("--tiers") + 1] == "memory,disk,peer,registry"
+    i = p.args.index("--tier-option")
+    assert p.args[i:i + 4] == ["--tier-option", "peer.listen=127.0.0.1:0", "--tier-option", "peer.token_file=/t"]
