@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import trio
 
 from weenv import _wire as wire
-from weenv.provision._http import HTTPError, Request, Response, Router, Server, StreamResponse, json_response
+from weenv.provision.server._http import HTTPError, Request, Response, Router, Server, StreamResponse, json_response
 
 from .fixtures_daemon import DaemonHandle
 
@@ -492,7 +492,7 @@ def test_wrong_method_is_405_unknown_path_404_and_errors_are_clipped(tmp_path):
 def test_http_errors_and_answers_are_the_wire_types():
     err = HTTPError(409, "wrong_state", "is paused")
     assert (err.status, err.kind) == (409, "wrong_state")
-    from weenv.provision._http import error_response
+    from weenv.provision.server._http import error_response
 
     body = msgspec.json.decode(error_response(400, "bad_request", "x" * 5000).body, type=wire.ErrorBody)
     assert body.error.kind == "bad_request" and len(body.error.message) < 1100 and body.error.status is None

@@ -96,13 +96,16 @@ PUBLIC_API: dict[str, list[str]] = {
         "prepare_bundle",
     ],
     "weenv.provision.envs": [
-        "EnvRecord", "FileInfo", "LayerTrees", "LockVerifier", "RootFS", "SnapshotNotFoundError", "SnapshotRecord",
+        "EnvManager", "EnvRecord", "FileInfo", "LayerTrees", "LockVerifier", "RootFS", "SnapshotNotFoundError", "SnapshotRecord",
         "SnapshotStore", "resolve_user",
     ],
     "weenv.provision.elastic": [
         "Admission", "DEFAULT_POLICY", "Decision", "EnvLimits", "EnvMetrics", "EnvQuotaState", "Monitor",
         "MonitorStatistics", "NodeView", "PROMETHEUS_CONTENT_TYPE", "PolicyConfig", "admit", "decide",
         "render_prometheus",
+    ],
+    "weenv.provision.server": [
+        "DaemonApi", "HTTPError", "Request", "Response", "Router", "Server", "StreamResponse",
     ],
     "weenv.provision.cgroups": [
         "ALL_FEATURES", "Cgroup", "CgroupBackend", "CgroupFs", "CgroupLayout", "CgroupSample", "PAGE_BYTES",

@@ -1,8 +1,9 @@
 """Provisioning: plans composed into overlayfs rootfs run as isolated containers, sized by cgroups.
 
-- :mod:`._daemon`: the daemon (``weenv daemon``), which builds the parts below and serves the HTTP API;
-- :mod:`._envs`: :class:`EnvManager`, the env lifecycle (create, warm pool, exec/files, TTL, commit/fork, gc);
-- :mod:`.envs`: an env on disk (record, mounts, layer trees, snapshots, start checks, file access);
+- :mod:`._daemon`: the daemon (``weenv daemon``), which builds the parts below in one step and runs them;
+- :mod:`.server`: its HTTP server and the routes of its API (the E2B API, :mod:`weenv.api`, sits beside);
+- :mod:`.envs`: the envs: :class:`EnvManager` (create, warm pool, exec/files, TTL, commit/fork, gc)
+  and an env on disk (record, mounts, layer trees, snapshots, start checks, file access);
 - :mod:`.runtime`: running it (the runtime seam, crun, gVisor, OCI spec, weenv-agent, user namespaces);
 - :mod:`.elastic`: resizing it (policy, monitor, prometheus rendering);
 - :mod:`.cgroups`: the cgroup backends (v1, v2).
@@ -11,7 +12,6 @@
 from ._daemon import Daemon as Daemon
 from ._daemon import DaemonConfig as DaemonConfig
 from ._daemon import serve as serve
-from ._envs import EnvManager as EnvManager
 from ._errors import AdmissionError as AdmissionError
 from ._errors import CgroupBusyError as CgroupBusyError
 from ._errors import CgroupError as CgroupError
@@ -53,6 +53,7 @@ from .elastic import NodeView as NodeView
 from .elastic import PolicyConfig as PolicyConfig
 from .elastic import admit as admit
 from .elastic import decide as decide
+from .envs import EnvManager as EnvManager
 from .envs import FileInfo as FileInfo
 from .envs import RootFS as RootFS
 from .envs import resolve_user as resolve_user

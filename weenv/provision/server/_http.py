@@ -30,8 +30,8 @@ import h11
 import msgspec
 import trio
 
-from .._unixsock import bind_unix
-from .._wire import MAX_JSON_BODY_BYTES, ErrorBody, ErrorInfo, NoQuery, decode, encode
+from ..._unixsock import bind_unix
+from ..._wire import MAX_JSON_BODY_BYTES, ErrorBody, ErrorInfo, NoQuery, decode, encode
 
 log = logging.getLogger("weenv.daemon")
 _READ = 65536

@@ -21,13 +21,13 @@ from typing import Any
 import msgspec
 import trio
 
-from .. import _home, layerfmt
-from ..envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
-from ..plan import Lock, LockedGroup, LockError, Plan, apply_overrides, is_locked, plan_to_builtins
-from ..plan._model import network_policy
-from ..registry import LayoutStore
-from .envs import _mounts, _state
-from ._errors import (
+from ... import _home, layerfmt
+from ...envlet import EnvletClient, EnvletError, LayerNotFoundError, StoreSpec
+from ...plan import Lock, LockedGroup, LockError, Plan, apply_overrides, is_locked, plan_to_builtins
+from ...plan._model import network_policy
+from ...registry import LayoutStore
+from . import _mounts, _state
+from .._errors import (
     AdmissionError,
     CgroupError,
     CgroupNotFoundError,
@@ -39,22 +39,22 @@ from ._errors import (
     ProcessNotFoundError,
     ProvisionError,
 )
-from .runtime._agent import agent_listener
-from .._wire import ProcessEnd, ProcessInfo
-from .envs._files import RootFS, resolve_user
-from .elastic._monitor import Monitor
-from .runtime._ocispec import ROOT_USER, BindMount, User
-from .elastic._policy import EnvLimits
-from .runtime._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
-from ._errors import HostError
-from .runtime._gvisor import ANNOTATION_RUNTIME, plan_runtime, start_cpu_hint
-from .runtime._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, bundle_relative_paths, make_tree_inert,
+from ..runtime._agent import agent_listener
+from ..._wire import ProcessEnd, ProcessInfo
+from ._files import RootFS, resolve_user
+from ..elastic._monitor import Monitor
+from ..runtime._ocispec import ROOT_USER, BindMount, User
+from ..elastic._policy import EnvLimits
+from ..runtime._runtime import ExecResult, ProcessStream, Runtime, prepare_bundle
+from .._errors import HostError
+from ..runtime._gvisor import ANNOTATION_RUNTIME, plan_runtime, start_cpu_hint
+from ..runtime._idmap import (DeviceNodeInTreeError, IdMap, apply_userns, bundle_relative_paths, make_tree_inert,
                      open_path_for_range, own_cgroups_only)
-from .envs._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
-from .envs._state import EnvRecord
-from .envs._startcheck import LockVerifier, check_registered, check_start
-from .envs._trees import LayerTrees
-from .cgroups import Cgroup, CgroupBackend
+from ._snapshots import SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, new_snapshot_id
+from ._state import EnvRecord
+from ._startcheck import LockVerifier, check_registered, check_start
+from ._trees import LayerTrees
+from ..cgroups import Cgroup, CgroupBackend
 
 log = logging.getLogger("weenv.daemon")
 
@@ -70,7 +70,7 @@ def env_limits(lock: Plan) -> EnvLimits:
 def store_spec(group: LockedGroup) -> StoreSpec:
     if group.registry is None:
         return StoreSpec("layout", path=_home.store_dir())
-    from ..registry._group import insecure_by_default
+    from ...registry._group import insecure_by_default
 
     return StoreSpec("registry", registry=group.registry, insecure=insecure_by_default(group.registry))
 
@@ -79,7 +79,7 @@ def lock_for(plan: Plan) -> Lock:
     """A lock for ``plan``: locks pass through (never resolving a tag), plans are resolved now."""
     if is_locked(plan):
         return plan  # type: ignore[return-value]
-    from ..build import lock_with_image_defaults
+    from ...build import lock_with_image_defaults
 
     return lock_with_image_defaults(plan)
 
@@ -119,7 +119,16 @@ class EnvManager:
     """All envs of this node. Methods are trio-async; blocking work runs in worker threads."""
 
     def __init__(self, *, envs_dir: str, runtime: Runtime, backend: CgroupBackend, monitor: Monitor,
-                 envlet: EnvletClient):
+                 envlet: EnvletClient, agent_path: str | None = None, idmap: IdMap | None = None,
+                 net: Any = None, pool_size: int = 0, pool_idle_s: float = 120.0,
+                 layer_trees: tuple[int, int] | None = None):
+        """Every part at once: ``agent_path``, the weenv-agent binary envs run as their init (None:
+        catatonit + ``crun exec``); ``idmap``, envs in a user namespace over that host id range (None:
+        env root is host root; the envlet must run with the same base); ``net``, the node's
+        :class:`weenv.net._egress.EgressNetwork` (egress envs need it); ``pool_size``, envs kept
+        started and idle per lock (0: no warm pool), dropped after ``pool_idle_s`` unasked;
+        ``layer_trees``, (starts after which a group layer is copied out as a tree, the trees'
+        budget in bytes), None: layers stay lazy. Background work runs in :meth:`run`."""
         self.envs_dir = envs_dir
         self.runtime = runtime
         self.backend = backend
@@ -130,9 +139,10 @@ class EnvManager:
         self._locks: dict[str, trio.Lock] = {}
         self.pinned_layers: dict[str, int] = {}  # envlet references held by others than envs
         self.snapshots = SnapshotStore(os.path.join(os.path.dirname(envs_dir), "snapshots"))
-        self.agent_path: str | None = None  # weenv-agent binary; None: envs use catatonit + crun exec
-        self.nursery: trio.Nursery | None = None  # for background work (set by the daemon)
-        self.pool_size = 0  # envs kept started and idle per lock (0: no warm pool)
+        self.agent_path = agent_path  # weenv-agent binary; None: envs use catatonit + crun exec
+        self.nursery: trio.Nursery | None = None  # for background work, while run() runs
+        self.pool_size = pool_size
+        self.pool_idle_s = pool_idle_s
         self._pools: dict[str, list[str]] = {}
         self._pool_used: dict[str, float] = {}
         self._ttl_deadlines: dict[str, tuple[float, float]] = {}  # env id -> (its expires_s, monotonic deadline)
@@ -142,26 +152,43 @@ class EnvManager:
         # Snapshot layers made on this node, also kept as plain directories (a copy of the sealed
         # upper): envs from the snapshot stack them as overlay lowers directly, not through FUSE.
         self.trees_dir = os.path.join(os.path.dirname(envs_dir), "snapshot-trees")
-        self.layer_trees: LayerTrees | None = None  # hot group layers as directories (enable_layer_trees)
+        self.layer_trees: LayerTrees | None = None  # hot group layers as directories
         self._trees_in_progress: set[str] = set()
         self.lock_verifier = LockVerifier()  # every start checks each pinned field of the lock
-        self.net: Any = None  # weenv.net EgressNetwork (set by the daemon): egress envs need it
+        self.net: Any = net  # weenv.net EgressNetwork: egress envs need it
         self._forking: set[str] = set()  # fork snapshots whose children are being started (gc keeps them)
-        # envs run in a user namespace over this host id range (None: env root is host root); set by
-        # the daemon, which also starts the envlet with the same base (weenv/provision/_idmap.py)
-        self.idmap: IdMap | None = None
+        # envs run in a user namespace over this host id range (None: env root is host root); the
+        # daemon starts the envlet with the same base (weenv/provision/runtime/_idmap.py)
+        self.idmap = idmap
         os.makedirs(envs_dir, mode=0o700, exist_ok=True)
         os.makedirs(self.trees_dir, mode=0o700, exist_ok=True)
+        if layer_trees is not None:
+            self.layer_trees = LayerTrees(os.path.join(os.path.dirname(envs_dir), "layer-trees"), after=layer_trees[0],
+                                          budget_bytes=layer_trees[1], pins=self.pinned_layers)
 
     # ------------------------------------------------------------------ helpers
 
     def _lock(self, env_id: str) -> trio.Lock:
         return self._locks.setdefault(env_id, trio.Lock())
 
-    def enable_layer_trees(self, *, after: int, budget_bytes: int) -> LayerTrees:
-        self.layer_trees = LayerTrees(os.path.join(os.path.dirname(self.envs_dir), "layer-trees"), after=after,
-                                      budget_bytes=budget_bytes, pins=self.pinned_layers)
-        return self.layer_trees
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """The manager's background work until cancelled: TTLs, the warm pool's janitor, hot layers
+        copied out as trees, the egress networks; pool refills and other background jobs run in its
+        nursery (:attr:`nursery`)."""
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            try:
+                if self.net is not None:
+                    self.net.start(nursery, lambda env_id: os.path.join(self.envs_dir, env_id))
+                if self.pool_size:
+                    nursery.start_soon(self.pool_janitor, self.pool_idle_s)
+                nursery.start_soon(self.ttl_loop)
+                if self.layer_trees is not None:
+                    await nursery.start(self.layer_trees.run, self.trees_in_use)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self.nursery = None
 
     def trees_in_use(self) -> set[str]:
         return {d for rec in self.envs.values() for d in rec.trees}
@@ -451,7 +478,7 @@ class EnvManager:
     def _network_up(self, env_id: str, netpol: Any) -> None:
         """Reserve the env's slot now (its netns path and resolver go into the bundle); wire it in the
         daemon's nursery, awaited by :meth:`_network_ready` just before crun create."""
-        from ..net import parse_policy
+        from ...net import parse_policy
 
         if self.net is None:
             raise EnvStartError("network = egress: this daemon has no egress networking", env_id=env_id)
@@ -467,7 +494,7 @@ class EnvManager:
             self._net_inline = (env_id, env_dir, policy)
 
     async def _network_ready(self, env_id: str) -> None:
-        from ..net._host import NetError
+        from ...net._host import NetError
 
         inline = getattr(self, "_net_inline", None)
         if inline is not None and inline[0] == env_id:
@@ -644,7 +671,7 @@ class EnvManager:
         E2B's ``get_host``). The socket is made in a thread that entered the env's network namespace
         (a socket stays in the namespace it was made in; the thread is never reused), so the env
         needs no interface for it."""
-        from .runtime._ns import CLONE_NEWNET, _check, _libc, in_fresh_thread
+        from ..runtime._ns import CLONE_NEWNET, _check, _libc, in_fresh_thread
 
         rec = self._running(env_id)
         if not rec.init_pid:
@@ -879,7 +906,7 @@ class EnvManager:
         else:
             await warm_in_background()
         if ref:
-            from ..registry import publish_layer_file
+            from ...registry import publish_layer_file
 
             await trio.to_thread.run_sync(lambda: publish_layer_file(
                 store.blob_path(layer.digest), ref, group="snapshot", group_class="task", digest=layer.digest,
