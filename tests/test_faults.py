@@ -211,17 +211,7 @@ class _Daemon(DaemonHandle):
         self.proc = subprocess.Popen([sys.executable, "-c", code], env={**self.env_vars(), **self.extra_env},
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weenv daemon exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                with self.client() as c:
-                    c.ping()
-                return
-            except Exception:
-                time.sleep(0.05)
-        raise RuntimeError(f"weenv daemon did not answer within {timeout_s} s:\n{self.log()[-3000:]}")
+        self.wait_ready(timeout_s)
 
     def jump_clock(self, seconds: float) -> None:
         with open(self.clock_file, "w") as fh:

@@ -54,6 +54,10 @@ class DaemonHandle:
             env=self.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )
         log.close()
+        self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the spawned daemon (``self.proc``) answers a ping; fail with its log if it exits."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -131,17 +131,7 @@ class EgressDaemon(DaemonHandle):
              "--egress-dns", OUTSIDE_A],
             env=self.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weenv daemon exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                with self.client() as c:
-                    c.ping()
-                return
-            except Exception:
-                time.sleep(0.05)
-        raise RuntimeError(f"weenv daemon did not answer within {timeout_s} s:\n{self.log()[-3000:]}")
+        self.wait_ready(timeout_s)
 
 
 @contextmanager
