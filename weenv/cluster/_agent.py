@@ -33,6 +33,7 @@ import httpx
 import msgspec
 
 from .. import _home
+from .._atomic import atomic_writer
 from ._errors import ClusterAuthError, ClusterError
 from ._report import Capacity, LayerHeld, NodeReport, capacity_from_top, envs_from, snapshots_from
 
@@ -321,10 +322,8 @@ class NodeAgent:
         with self._lock:
             published = self._published()
             published[snapshot_id] = rec["ref"]
-            tmp = self._published_path + ".tmp"
-            with open(tmp, "w") as f:
+            with atomic_writer(self._published_path, mode=None, fsync=False, encoding="utf-8") as f:
                 json.dump(published, f)
-            os.replace(tmp, self._published_path)
         self._refresh()
         return rec
 

@@ -28,6 +28,7 @@ import pyfuse3
 import trio
 
 from .. import layerfmt
+from .._atomic import atomic_write, atomic_writer
 from .._unixsock import bind_unix
 from ..layerfmt import RandomAccessReader
 from ._control import (
@@ -229,10 +230,7 @@ class Envlet:
         layer = layerfmt.Layer.open(rec, expected_toc_digest=req.toc_digest)
         tail = rec.range(layer.footer.toc_offset, req.size)
         if tail is not None:
-            tmp = f"{tail_path}.tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(tail)
-            os.replace(tmp, tail_path)
+            atomic_write(tail_path, tail, mode=None, fsync=False)
         return layerfmt.Layer(inner, layer.footer, layer.columns), inner
 
     async def register(self, req: Register, *, slot: int | None = None, refcount: int = 1) -> MountedLayer:
@@ -311,10 +309,8 @@ class Envlet:
                 for m in self.by_name.values()
             ],
         }
-        tmp = f"{self.state_file}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
+        with atomic_writer(self.state_file, mode=None, fsync=False, encoding="utf-8") as f:
             json.dump(data, f)
-        os.replace(tmp, self.state_file)
 
     async def restore_state(self) -> None:
         try:

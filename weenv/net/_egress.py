@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import trio
 
+from .._atomic import atomic_write
 from . import _dns, _host, _nft
 from ._policy import (SLOT_PREFIX, EgressPolicy, Resolved, change_policy, free_slot, parse_range,
                       policy_from_builtins, slot)
@@ -229,10 +230,7 @@ class EgressNetwork:
     @staticmethod
     def _save(env_dir: str, st: NetState) -> None:
         os.makedirs(env_dir, mode=0o700, exist_ok=True)
-        tmp = os.path.join(env_dir, f".{STATE_FILE}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(_enc.encode(st))
-        os.replace(tmp, os.path.join(env_dir, STATE_FILE))
+        atomic_write(os.path.join(env_dir, STATE_FILE), _enc.encode(st), mode=None, fsync=False)
 
     @staticmethod
     def load(env_dir: str) -> NetState | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from ..._atomic import atomic_write
 from .._errors import EnvError
 
 
@@ -64,11 +65,7 @@ class SnapshotStore:
         return os.path.join(self.root, f"{snap_id}.json")
 
     def save(self, rec: SnapshotRecord) -> None:
-        path = self._path(rec.id)
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(self._enc.encode(rec))
-        os.replace(tmp, path)
+        atomic_write(self._path(rec.id), self._enc.encode(rec), mode=None, fsync=False)
 
     def get(self, snap_id: str) -> SnapshotRecord:
         try:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ..._atomic import atomic_write
 EnvStatus = Literal["creating", "pooled", "running", "paused", "stopping", "failed"]
 STATE_FILE = "state.json"
 
@@ -86,10 +87,7 @@ _decoder = msgspec.json.Decoder(EnvRecord)
 def save(envs_dir: str, rec: EnvRecord) -> None:
     d = env_dir(envs_dir, rec.id)
     os.makedirs(d, mode=0o700, exist_ok=True)
-    tmp = os.path.join(d, f".{STATE_FILE}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(_encoder.encode(rec))
-    os.replace(tmp, os.path.join(d, STATE_FILE))
+    atomic_write(os.path.join(d, STATE_FILE), _encoder.encode(rec), mode=None, fsync=False)
 
 
 def load(envs_dir: str, env_id: str) -> EnvRecord | None:
