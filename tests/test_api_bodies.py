@@ -530,3 +530,12 @@ def test_clients_build_bodies_checked_as_the_daemon_checks_them():
             wire.encode_request(cls, **fields)
     # NaN would otherwise be written as null: no TTL instead of an error
     assert wire.encode(wire.TtlRequest(ttl_s=float("nan"))) == b'{"ttl_s":null}'
+
+
+def test_one_exec_result_from_runtime_to_client():
+    import weenv
+    from weenv.provision.runtime._runtime import ExecResult
+
+    assert ExecResult is wire.ExecResult
+    assert issubclass(weenv.ExecResult, wire.ExecResult)
+    assert weenv.ExecResult.__struct_fields__ == wire.ExecResult.__struct_fields__

@@ -50,17 +50,9 @@ class EnvNotFoundError(ApiError, LookupError):
     """Raised for an env id the daemon does not know."""
 
 
-class ExecResult(msgspec.Struct, frozen=True, kw_only=True):
-    """The outcome of one command. ``exit_code`` is 128+N for signal N (137 after a timeout)."""
-
-    exit_code: int
-    stdout: bytes = b""
-    stderr: bytes = b""
-    timed_out: bool = False
-    duration_s: float = 0.0
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    command_not_found: bool = False
+class ExecResult(wire.ExecResult, frozen=True):
+    """The outcome of one command (the daemon's :class:`weenv._wire.ExecResult`), with ``ok`` and
+    ``text``. ``exit_code`` is 128+N for signal N (137 after a timeout)."""
 
     @property
     def ok(self) -> bool:

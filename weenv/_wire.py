@@ -356,8 +356,10 @@ class FileInfo(ResponseBody):
     link_target: str | None = None
 
 
-class ExecResult(ResponseBody):
-    """The outcome of one command. ``exit_code`` is 128+N for signal N (137 after a timeout)."""
+class ExecResult(ResponseBody, frozen=True):
+    """What one command did. ``exit_code`` is 128+N when a signal N ended it (137 after a
+    timeout's SIGKILL) and 127 when the command does not exist in the env. The runtime returns
+    it, the daemon sends it, the clients read it (as :class:`weenv.ExecResult`)."""
 
     exit_code: int
     stdout: bytes = b""

@@ -78,18 +78,8 @@ DEFAULT_MAX_OUTPUT_BYTES = 16 << 20
 OutputCallback = Callable[[str, bytes], Awaitable[None] | None]
 
 
-class ExecResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What one command did. ``exit_code`` is 128+N when a signal N ended it (137 after a
-    timeout's SIGKILL) and 127 when the command does not exist in the env."""
-
-    exit_code: int
-    stdout: bytes = b""
-    stderr: bytes = b""
-    timed_out: bool = False
-    duration_s: float = 0.0
-    stdout_truncated: bool = False
-    stderr_truncated: bool = False
-    command_not_found: bool = False
+ExecResult = wire.ExecResult
+"""What one command did (one type from runtime to client: :class:`weenv._wire.ExecResult`)."""
 
 
 class ContainerState(msgspec.Struct, frozen=True, kw_only=True):
