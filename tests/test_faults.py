@@ -223,14 +223,13 @@ def _data_plan(home: str, data: bytes) -> str:
     from weenv.plan import load_plan, lock_plan, write_plan
     from weenv.registry import publish, resolve_group
     from weenv.testing import busybox_tree
+    from weenv.testing._daemon import weenv_home
 
     src = busybox_tree(Path(home) / "src-data")
     (src / "data").mkdir()
     (src / "data" / "big").write_bytes(data)
     (src / "data" / "other").write_bytes(os.urandom(300_000))
-    old = os.environ.get("WEENV_HOME")
-    os.environ["WEENV_HOME"] = home
-    try:
+    with weenv_home(home):
         publish(str(src), "bbdata:test", group="os", group_class="os")
         plan = os.path.join(home, "bbdata.toml")
         with open(plan, "w") as fh:
@@ -239,11 +238,6 @@ def _data_plan(home: str, data: bytes) -> str:
                      'max = "512MiB"\n')
         lock = os.path.join(home, "bbdata.lock.toml")
         write_plan(lock_plan(load_plan(plan), resolve_group), lock)
-    finally:
-        if old is None:
-            os.environ.pop("WEENV_HOME", None)
-        else:
-            os.environ["WEENV_HOME"] = old
     return lock
 
 

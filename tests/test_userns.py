@@ -163,6 +163,7 @@ def _publish_dir(home: str, src: str, ref: str, group: str) -> None:
 def _plan(home: str, name: str, groups: list[tuple[str, str]], user: str | None = None) -> str:
     from weenv.plan import load_plan, lock_plan, write_plan
     from weenv.registry import resolve_group
+    from weenv.testing._daemon import weenv_home
 
     path = os.path.join(home, f"{name}.toml")
     with open(path, "w") as fh:
@@ -170,15 +171,8 @@ def _plan(home: str, name: str, groups: list[tuple[str, str]], user: str | None 
         for g, ref in groups:
             fh.write(f'[[groups]]\nname = "{g}"\nref = "{ref}"\nclass = "{"os" if g == "os" else "task"}"\n')
     lock = os.path.join(home, f"{name}.lock.toml")
-    old = os.environ.get("WEENV_HOME")
-    os.environ["WEENV_HOME"] = home
-    try:
+    with weenv_home(home):
         write_plan(lock_plan(load_plan(path), resolve_group), lock)
-    finally:
-        if old is None:
-            os.environ.pop("WEENV_HOME", None)
-        else:
-            os.environ["WEENV_HOME"] = old
     return lock
 
 

@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,15 +85,27 @@ class DaemonHandle:
         self.proc.wait()
 
 
+@contextmanager
+def weenv_home(home: str) -> Iterator[None]:
+    """Point ``WEENV_HOME`` at ``home`` (for in-process publish/lock) and put the old value back."""
+    old = os.environ.get("WEENV_HOME")
+    os.environ["WEENV_HOME"] = home
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("WEENV_HOME", None)
+        else:
+            os.environ["WEENV_HOME"] = old
+
+
 def busybox_plan(home: str, name: str = "bb") -> tuple[str, str]:
     """Publish a busybox os group into ``home``'s embedded store; write a plan and its lock."""
     from weenv.plan import load_plan, lock_plan, write_plan
     from weenv.registry import publish, resolve_group
 
     src = busybox_tree(Path(home) / "src-busybox")
-    old = os.environ.get("WEENV_HOME")
-    os.environ["WEENV_HOME"] = home
-    try:
+    with weenv_home(home):
         publish(str(src), "busybox:test", group="os", group_class="os")
         plan_path = os.path.join(home, f"{name}.toml")
         with open(plan_path, "w") as f:
@@ -101,11 +114,6 @@ def busybox_plan(home: str, name: str = "bb") -> tuple[str, str]:
                     '[resources.memory]\nmin = "64MiB"\nmax = "512MiB"\n')
         lock_path = os.path.join(home, f"{name}.lock.toml")
         write_plan(lock_plan(load_plan(plan_path), resolve_group), lock_path)
-    finally:
-        if old is None:
-            os.environ.pop("WEENV_HOME", None)
-        else:
-            os.environ["WEENV_HOME"] = old
     return plan_path, lock_path
 
 

@@ -34,6 +34,7 @@ def device_plan(home: str, name: str = "devices", devices: dict[str, tuple[int, 
     from weenv.plan import load_plan, lock_plan, write_plan
     from weenv.registry import publish, resolve_group
 
+    from ._daemon import weenv_home
     from ._images import busybox_tree
 
     src = Path(home) / f"src-{name}"
@@ -42,9 +43,7 @@ def device_plan(home: str, name: str = "devices", devices: dict[str, tuple[int, 
         (src / "opt" / "devices").mkdir(parents=True)
         for dev, (kind, major, minor) in (SHIPPED_DEVICES if devices is None else devices).items():
             os.mknod(src / "opt" / "devices" / dev, 0o666 | kind, os.makedev(major, minor))
-    old = os.environ.get("WEENV_HOME")
-    os.environ["WEENV_HOME"] = home
-    try:
+    with weenv_home(home):
         publish(str(src), f"busybox:{name}", group="os", group_class="os")
         plan_path = os.path.join(home, f"{name}.toml")
         with open(plan_path, "w") as f:
@@ -53,10 +52,5 @@ def device_plan(home: str, name: str = "devices", devices: dict[str, tuple[int, 
                     '[resources.memory]\nmin = "64MiB"\nmax = "512MiB"\n')
         lock_path = os.path.join(home, f"{name}.lock.toml")
         write_plan(lock_plan(load_plan(plan_path), resolve_group), lock_path)
-    finally:
-        if old is None:
-            os.environ.pop("WEENV_HOME", None)
-        else:
-            os.environ["WEENV_HOME"] = old
     shutil.rmtree(src, ignore_errors=True)
     return lock_path
