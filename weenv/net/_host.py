@@ -74,24 +74,24 @@ def nft(script: str, *, json_output: bool = False, what: str = "nft") -> str:
     return out
 
 
-def list_table(table: str) -> str:
-    """``nft -j list table inet <table>`` ("" when there is no such table)."""
+def _list_json(command: str, what: str) -> str:
+    """``nft -j <command>`` ("" when the table it names does not exist)."""
     try:
-        return nft(f"list table inet {table}", json_output=True, what="list table")
+        return nft(command, json_output=True, what=what)
     except NetError as e:
         if "No such file or directory" in str(e) or "does not exist" in str(e):
             return ""
         raise
+
+
+def list_table(table: str) -> str:
+    """``nft -j list table inet <table>`` ("" when there is no such table)."""
+    return _list_json(f"list table inet {table}", "list table")
 
 
 def list_counters(table: str) -> str:
     """``nft -j list counters table inet <table>``: the accounting alone ("" without the table)."""
-    try:
-        return nft(f"list counters table inet {table}", json_output=True, what="list counters")
-    except NetError as e:
-        if "No such file or directory" in str(e) or "does not exist" in str(e):
-            return ""
-        raise
+    return _list_json(f"list counters table inet {table}", "list counters")
 
 
 def delete_table(table: str) -> None:
