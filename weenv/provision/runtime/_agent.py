@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import trio
 
+from ..._atomic import atomic_write
 from ..._unixsock import bind_unix
 from ... import _wire as wire
 from .._errors import ContainerError, ProcessNotFoundError, ProcessStartError, ProcessStateError
@@ -58,14 +59,7 @@ def agent_listener(path: str) -> socket.socket:
     sock = bind_unix(path, 0o600)
     try:
         key = secrets.token_bytes(AGENT_KEY_BYTES)
-        tmp = f"{agent_key_path(path)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, key)
-        finally:
-            os.close(fd)
-        os.replace(tmp, agent_key_path(path))
+        atomic_write(agent_key_path(path), key, mode=0o600, fsync=False)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
             first.connect(path)  # queued in the backlog until the agent accepts it
             first.sendall(_frame(b"K", key))

@@ -44,6 +44,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import trio
 
+from ..._atomic import atomic_write
 from .._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, HostError, SpecError
 from ._hostcheck import HostFacts, detect_host
 from ._ocispec import ANNOTATION_NETWORK, User
@@ -154,10 +155,7 @@ def probe_platform(runsc: str, static_binary: str, *, cache_dir: str | None = No
     found = PlatformProbe(platform=chosen, runsc_version=version, kernel_release=kernel, results=results)
     if cache is not None:
         os.makedirs(cache_dir, exist_ok=True)  # type: ignore[arg-type]
-        tmp = f"{cache}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(found))
-        os.replace(tmp, cache)
+        atomic_write(cache, msgspec.json.encode(found), mode=None, fsync=False)
     log.info("gVisor platform: %s (%s)", chosen, ", ".join(f"{k}: {v}" for k, v in results.items()))
     return found
 

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from ..._atomic import atomic_write
 from ...layerfmt._ids import CAPABILITY_XATTR, ID_COUNT, cap_to_host, to_host_id, to_layer_id
 
 # below 2^31: procps (ps) and other tools print uids from 2^31 up as negative numbers
@@ -218,8 +219,5 @@ def trees_for_base(root: str, base: int) -> bool:
         if os.path.lexists(marker):
             os.unlink(marker)
         return kept
-    tmp = f"{marker}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{base}\n")
-    os.replace(tmp, marker)
+    atomic_write(marker, f"{base}\n", mode=None, fsync=False)
     return kept
