@@ -539,3 +539,9 @@ def test_one_exec_result_from_runtime_to_client():
     assert ExecResult is wire.ExecResult
     assert issubclass(weenv.ExecResult, wire.ExecResult)
     assert weenv.ExecResult.__struct_fields__ == wire.ExecResult.__struct_fields__
+
+
+def test_one_file_info_from_the_env_file_api_to_the_wire():
+    from weenv.provision.envs._files import FileInfo
+
+    assert FileInfo is wire.FileInfo

@@ -343,13 +343,17 @@ class PathDone(ResponseBody):
     size_bytes: int | None = None
 
 
-class FileInfo(ResponseBody):
-    """One directory entry (``op=list``, a list of them, or ``op=stat``), as ``lstat`` sees it."""
+class FileInfo(ResponseBody, frozen=True):
+    """One directory entry (``op=list``, a list of them, or ``op=stat``), as ``lstat`` sees it (a
+    symlink is reported as a symlink, with its target). The env's file API returns it, the daemon
+    sends it."""
 
     name: str
     kind: str
+    """"file", "dir", "symlink", "char", "block", "fifo" or "socket"."""
     size_bytes: int
     mode: int
+    """Permission bits (``st_mode & 0o7777``)."""
     uid: int
     gid: int
     mtime_s: float

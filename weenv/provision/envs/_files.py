@@ -27,8 +27,7 @@ import shutil
 import stat
 from collections.abc import Iterable
 
-import msgspec
-
+from ... import _wire as wire
 from .._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
 from ..runtime._ocispec import User, parse_user
 
@@ -133,19 +132,8 @@ _KIND = {
 }
 
 
-class FileInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """One entry, as ``lstat`` sees it (a symlink is reported as a symlink, with its target)."""
-
-    name: str
-    kind: str
-    """"file", "dir", "symlink", "char", "block", "fifo" or "socket"."""
-    size_bytes: int
-    mode: int
-    """Permission bits (``st_mode & 0o7777``)."""
-    uid: int
-    gid: int
-    mtime_s: float
-    link_target: str | None = None
+FileInfo = wire.FileInfo
+"""One entry, as ``lstat`` sees it: :class:`weenv._wire.FileInfo`, as the daemon sends it."""
 
 
 def _info(name: str, st: os.stat_result, link_target: str | None = None) -> FileInfo:
