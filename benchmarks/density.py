@@ -154,13 +154,12 @@ class Node:
         from weenv.registry import publish, resolve_group
 
         from weenv.testing import busybox_tree
+        from weenv.testing._daemon import weenv_home
 
         src = busybox_tree(Path(self.home) / "src")
         shutil.copy(rollout_binary(), src / "usr" / "bin" / "rollout")
         os.chmod(src / "usr" / "bin" / "rollout", 0o755)
-        old = os.environ.get("WEENV_HOME")
-        os.environ["WEENV_HOME"] = self.home
-        try:
+        with weenv_home(self.home):
             publish(str(src), "rollout:bench", group="os", group_class="os")
             plan = os.path.join(self.home, "rollout.toml")
             with open(plan, "w") as f:
@@ -168,11 +167,6 @@ class Node:
                         '[resources]\npids = 64\ndisk = "16MiB"\n')
             lock = os.path.join(self.home, "rollout.lock.toml")
             write_plan(lock_plan(load_plan(plan), resolve_group), lock)
-        finally:
-            if old is None:
-                os.environ.pop("WEENV_HOME", None)
-            else:
-                os.environ["WEENV_HOME"] = old
         return lock
 
     def client(self, timeout_s: float = 600.0):  # type: ignore[no-untyped-def]

@@ -150,10 +150,9 @@ def _debian_tar(quick: bool) -> tuple[str, Path | None, tuple[str, ...]]:
 def _publish_debian(home: str, tar: Path, name: str) -> str:
     from weenv.plan import load_plan, lock_plan, write_plan
     from weenv.registry import publish, resolve_group
+    from weenv.testing._daemon import weenv_home
 
-    old = os.environ.get("WEENV_HOME")
-    os.environ["WEENV_HOME"] = home
-    try:
+    with weenv_home(home):
         publish(str(tar), "debian:soak", group="os", group_class="os")
         plan = os.path.join(home, f"{name}.toml")
         with open(plan, "w") as f:
@@ -162,11 +161,6 @@ def _publish_debian(home: str, tar: Path, name: str) -> str:
                     '[resources.memory]\nmin = "32MiB"\nmax = "512MiB"\n')
         lock = os.path.join(home, f"{name}.lock.toml")
         write_plan(lock_plan(load_plan(plan), resolve_group), lock)
-    finally:
-        if old is None:
-            os.environ.pop("WEENV_HOME", None)
-        else:
-            os.environ["WEENV_HOME"] = old
     return lock
 
 
