@@ -605,9 +605,10 @@ class EnvManager:
             raise EnvStateError(f"is {rec.status}", env_id=env_id)
         return rec
 
-    async def exec(self, env_id: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-                   cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
-                   timeout_s: float | None = None, on_output: OutputCallback | None = None) -> ExecResult:
+    async def _exec_target(self, env_id: str, argv: Sequence[str],
+                           user: str | None) -> tuple[User | None, Sequence[str]]:
+        """What exec and start_process check and resolve first: the env runs, a command, the user, the
+        cgroup files the process joins."""
         self._running(env_id)
         if not argv:
             raise EnvStateError("empty command", env_id=env_id)
@@ -615,8 +616,14 @@ class EnvManager:
         if user is not None:
             who = await trio.to_thread.run_sync(resolve_user, self.rootfs(env_id), user)
         cg = self.cgroups.get(env_id)
+        return who, (cg.procs_paths() if cg is not None else ())
+
+    async def exec(self, env_id: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
+                   cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
+                   timeout_s: float | None = None, on_output: OutputCallback | None = None) -> ExecResult:
+        who, procs = await self._exec_target(env_id, argv, user)
         return await self.runtime.exec(env_id, argv, env=env, cwd=cwd, user=who, stdin=stdin, timeout_s=timeout_s,
-                                       cgroup_procs=cg.procs_paths() if cg is not None else (), on_output=on_output)
+                                       cgroup_procs=procs, on_output=on_output)
 
     # -- process handles (docs/architecture.md, "Processes"): the env's agent keeps the table,
     # so they outlive the client that started them and this daemon
@@ -625,16 +632,10 @@ class EnvManager:
                             cwd: str | None = None, user: str | None = None, stdin: bool = False,
                             pty: tuple[int, int] | None = None, tag: str | None = None,
                             buffer_bytes: int | None = None) -> ProcessStream:
-        self._running(env_id)
-        if not argv:
-            raise EnvStateError("empty command", env_id=env_id)
-        who: User | None = None
-        if user is not None:
-            who = await trio.to_thread.run_sync(resolve_user, self.rootfs(env_id), user)
-        cg = self.cgroups.get(env_id)
+        who, procs = await self._exec_target(env_id, argv, user)
         return await self.runtime.start_process(env_id, argv, env=env, cwd=cwd, user=who, stdin=stdin, pty=pty,
                                                 tag=tag, buffer_bytes=buffer_bytes,
-                                                cgroup_procs=cg.procs_paths() if cg is not None else ())
+                                                cgroup_procs=procs)
 
     async def connect_process(self, env_id: str, pid: int) -> ProcessStream:
         self._running(env_id)
