@@ -58,7 +58,7 @@ def main() -> None:
     world = Outside()
     try:
         world.open()
-        served = world.dirs[0]  # 198.18.0.1:8000
+        served = world.dirs[0]  # OUT_A:8000
         with open(os.path.join(served, "huge"), "wb") as f:
             f.write(os.urandom(size))
         with egress_daemon(world, "net") as d, d.client() as c:

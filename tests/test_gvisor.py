@@ -369,6 +369,21 @@ def test_daemon_runs_a_gvisor_env_like_any_other(daemon, tmp_path, gvisor_platfo
     assert gv_id
 
 
+def test_a_gvisor_envs_memory_is_its_max_from_the_start(daemon, tmp_path, gvisor_platform):
+    """Promise: a gVisor env holds its plan's memory max from its first command (64-512 MiB here;
+    a crun env beside it starts at its min): a write burst well over the min, which killed the
+    sandbox at an elastic 64 MiB limit, just runs."""
+    lock = _gvisor_lock(daemon, tmp_path)
+    with daemon.client() as c, c.create(lock) as env, c.create(daemon.plan_lock) as plain:
+        memory = {e.id: c.get(e.id).info["resources"]["memory"] for e in (env, plain)}
+        assert memory[env.id]["limit_bytes"] == 512 << 20 and memory[env.id]["hard"] is False, memory
+        assert memory[plain.id]["limit_bytes"] == 64 << 20, memory
+        r = env.exec(["sh", "-c", "dd if=/dev/zero of=/tmp/burst bs=1M count=48 2>/dev/null && echo done"],
+                     timeout_s=30)
+        assert (r.exit_code, r.stdout) == (0, b"done\n"), r
+        assert env.exec(["echo", "alive"]).stdout == b"alive\n"
+
+
 def test_daemon_refuses_gvisor_with_host_network(daemon, tmp_path, gvisor_platform):
     import weenv
 

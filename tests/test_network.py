@@ -91,7 +91,7 @@ def test_allowed_host_port_reachable_other_port_and_host_refused(daemon: EgressD
 
 def test_deny_wins_over_a_wider_allow(daemon: EgressDaemon) -> None:
     with daemon.client() as c:
-        env = c.create(_lock(daemon, allow=["198.18.0.0/24"], deny=[f"{OUT_B}/32", f"{OUT_A}:{OTHER_PORT}"]))
+        env = c.create(_lock(daemon, allow=[f"{OUT_A.rsplit('.', 1)[0]}.0/24"], deny=[f"{OUT_B}/32", f"{OUT_A}:{OTHER_PORT}"]))
         assert _reachable(env, f"http://{OUT_A}:{PORT}/id")
         assert not _reachable(env, f"http://{OUT_A}:{OTHER_PORT}/id")
         assert not _reachable(env, f"http://{OUT_B}:{PORT}/id")

@@ -1,10 +1,11 @@
 """The "outside world" of egress tests and benchmarks, entirely on this machine.
 
-:class:`Outside` makes a network namespace ``wtest-out-<pid>`` holding 198.18.0.1 and 198.18.0.3
-(198.18.0.0/15 is reserved for benchmarking) behind a veth whose host end (198.18.0.2) is the
-test daemon's only ``--egress-interface``. HTTP servers listen on 198.18.0.1:8000, 198.18.0.1:8001
-and 198.18.0.3:8000, each serving ``/id`` (its own address and port) and ``/big`` (a few MiB); a
-DNS server on 198.18.0.1:53 answers ``svc.test`` → 198.18.0.1 and ``other.test`` → 198.18.0.3.
+:class:`Outside` makes a network namespace ``wtest-out-<pid>`` holding A = 198.18.X.1 and
+B = 198.18.X.3 (198.18.0.0/15 is reserved for benchmarking; the /24 is chosen by this process's pid,
+so two test runs on one machine do not install competing routes) behind a veth whose host end
+(198.18.X.2) is the test daemon's only ``--egress-interface``. HTTP servers listen on A:8000,
+A:8001 and B:8000, each serving ``/id`` (its own address and port) and ``/big`` (a few MiB); a
+DNS server on A:53 answers ``svc.test`` → A and ``other.test`` → B.
 Every denied target of a test is one of these, so a policy bug cannot send a packet off the
 machine. :meth:`Outside.close` stops the servers (by PID) and removes the namespace and veth.
 """
@@ -24,7 +25,9 @@ from contextlib import contextmanager
 from ._daemon import DaemonHandle, busybox_plan, teardown_private_daemon
 from ._host import require_fuse, require_tool
 
-OUTSIDE_A, OUTSIDE_HOST, OUTSIDE_B = "198.18.0.1", "198.18.0.2", "198.18.0.3"
+_BLOCK = os.getpid() % 512
+_NET = f"198.{18 + _BLOCK // 256}.{_BLOCK % 256}"
+OUTSIDE_A, OUTSIDE_HOST, OUTSIDE_B = f"{_NET}.1", f"{_NET}.2", f"{_NET}.3"
 OUTSIDE_PORT, OUTSIDE_OTHER_PORT = 8000, 8001
 OUTSIDE_BIG_BYTES = 6 << 20
 OUTSIDE_NAMES = {"svc.test": OUTSIDE_A, "other.test": OUTSIDE_B}

@@ -61,9 +61,17 @@ log = logging.getLogger("weenv.daemon")
 OutputCallback = Callable[[str, bytes], Awaitable[None] | None]
 
 
-def env_limits(lock: Plan) -> EnvLimits:
+def env_limits(lock: Plan, runtime: str = "crun") -> EnvLimits:
+    """The monitor's limits for an env of ``lock`` run by ``runtime``. A gVisor env's memory is
+    fixed at the plan's max (admitted and held whole, never elastic): the Sentry takes its memory
+    in system calls that fail with ENOMEM at a limit instead of waiting for the monitor's doubling,
+    and a Sentry refused memory dies with everything in it (a 45 MiB write burst killed the sandbox
+    at a 64 MiB elastic limit in a loaded test run)."""
     r = lock.resources
-    return EnvLimits(cpu_min_cores=r.cpu.min, cpu_max_cores=r.cpu.max, memory_min_bytes=r.memory.min,
+    memory_min = r.memory.min
+    if runtime == "gvisor" and r.memory.max is not None:
+        memory_min = r.memory.max
+    return EnvLimits(cpu_min_cores=r.cpu.min, cpu_max_cores=r.cpu.max, memory_min_bytes=memory_min,
                      memory_max_bytes=r.memory.max, pids_max=r.pids)
 
 
@@ -212,6 +220,10 @@ class EnvManager:
     def lock_of(self, rec: EnvRecord) -> Lock:
         return msgspec.convert(rec.lock, Lock)  # type: ignore[no-any-return]
 
+    def _runtime_name(self, lock: Plan) -> str:
+        """The runtime that runs (or would run) an env of ``lock`` on this node."""
+        return lock.runtime or getattr(self.runtime, "default", None) or getattr(self.runtime, "name", "crun")
+
     # ------------------------------------------------------------------ create
 
     async def create(self, plan: Plan, *, snapshot: str | None = None, parent: str | None = None,
@@ -242,7 +254,7 @@ class EnvManager:
     async def _create(self, lock: Lock, t0: float, *, snapshot: str | None = None, parent: str | None = None,
                       snapshot_layers: Sequence[SnapshotLayer] = (), pooled: bool = False,
                       start_cpu_cores: float | None = None) -> EnvRecord:
-        limits = env_limits(lock)
+        limits = env_limits(lock, self._runtime_name(lock))
         admission = self.monitor.admit(limits)
         while not admission and not pooled and await self._evict_one_pooled():
             admission = self.monitor.admit(limits)  # pooled envs make way for real ones
@@ -1010,7 +1022,8 @@ class EnvManager:
                 try:
                     cg = await trio.to_thread.run_sync(self.backend.open, rec.cgroup or env_id)
                     self.cgroups[env_id] = cg
-                    self.monitor.add(env_id, cg, env_limits(self.lock_of(rec)), adopt=True)
+                    lock = self.lock_of(rec)
+                    self.monitor.add(env_id, cg, env_limits(lock, self._runtime_name(lock)), adopt=True)
                     if await trio.to_thread.run_sync(cg.is_frozen):
                         if rec.status == "running":  # frozen by a commit or fork the crash cut short
                             log.warning("env %s: frozen by a commit cut short by the restart: thawed", env_id)
