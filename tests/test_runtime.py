@@ -357,6 +357,36 @@ def test_kill_exec_tree_spares_unrelated_processes():
         bystander.wait()
 
 
+def test_kill_exec_tree_signals_parents_before_children(monkeypatch):
+    """Killed in an arbitrary order, a shell whose child died first could exit 137 (or run its next
+    command) before its own SIGKILL landed: the real-tree test above saw 137 in ~1 of 10 runs
+    under load. Here a fake process table whose pids make a set iterate child first (9 % 8 < 7 % 8)."""
+    import types
+
+    from weenv.provision.runtime import _ns
+
+    # pid: (ppid, sid, state): leader 7 -> 9 -> 10 -> 3 (a pid reused low), plus 8 in the leader's
+    # session reparented to init; 1 and 2 are unrelated.
+    table = {1: (0, 1, "S"), 2: (1, 2, "S"), 7: (1, 7, "S"), 9: (7, 7, "S"), 10: (9, 7, "S"), 3: (10, 7, "S"),
+             8: (1, 7, "S")}
+    signalled: list[int] = []
+
+    def send(fd: int, sig: int) -> None:
+        assert sig == signal.SIGKILL
+        signalled.append(fd)
+        del table[fd]
+
+    fake_os = types.SimpleNamespace(listdir=lambda path: [str(p) for p in table], pidfd_open=lambda pid: pid,
+                                    close=lambda fd: None)
+    monkeypatch.setattr(_ns, "os", fake_os)
+    monkeypatch.setattr(_ns, "signal", types.SimpleNamespace(SIGKILL=signal.SIGKILL, pidfd_send_signal=send))
+    monkeypatch.setattr(_ns, "_proc_stat", lambda pid: table.get(pid))
+    assert kill_exec_tree(7, spare_leader=False) == 5
+    assert sorted(signalled) == [3, 7, 8, 9, 10] and set(table) == {1, 2}
+    order = {pid: i for i, pid in enumerate(signalled)}
+    assert order[7] < order[9] < order[10] < order[3], signalled
+
+
 def test_output_streams_while_the_command_runs(crun_runtime, busybox_rootfs, tmp_path):
     async def main():
         env = await start_env(crun_runtime, tmp_path, busybox_rootfs)

@@ -173,13 +173,15 @@ def _proc_stat(pid: int) -> tuple[int, int, str] | None:
     return int(fields[1]), int(fields[3]), fields[0].decode()
 
 
-def _members(leader: int, sessions: set[int]) -> set[int]:
+def _members(leader: int, sessions: set[int]) -> list[int]:
     """Live (non-zombie) processes of one exec: descendants of ``leader`` (crun's pid), plus
     every process in a session that one of them ever led or belonged to. crun's helper starts
     the command in a session of its own, and an orphaned background job (``(cmd &)``) is
     reparented to the env's init, so parentage alone misses it; its session does not.
     ``sessions`` accumulates across scans (a session id is not reused while any process is in
-    it)."""
+    it). Parents come before their children, so that a kill in this order never lets a parent
+    see a child die and react (a shell running its next command, or exiting 137 on its own
+    before its SIGKILL lands)."""
     table: dict[int, tuple[int, int, str]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -198,7 +200,15 @@ def _members(leader: int, sessions: set[int]) -> set[int]:
             if pid in table and table[pid][1] not in sessions:
                 sessions.add(table[pid][1])
                 grew = True
-    return {pid for pid in found if pid in table and table[pid][2] not in ("Z", "X")}
+
+    def depth(pid: int) -> int:  # ancestors inside the exec; bounded, as a ppid loop cannot be
+        d = 0
+        while pid in table and table[pid][0] in found and table[pid][0] != pid and d < len(found):
+            pid, d = table[pid][0], d + 1
+        return d
+
+    live = [pid for pid in found if pid in table and table[pid][2] not in ("Z", "X")]
+    return sorted(live, key=lambda pid: (depth(pid), pid))
 
 
 def kill_exec_tree(leader: int, *, spare_leader: bool = True, deadline_s: float = 5.0) -> int:
@@ -209,12 +219,13 @@ def kill_exec_tree(leader: int, *, spare_leader: bool = True, deadline_s: float 
     sessions = {leader}
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        targets = _members(leader, sessions)
-        if spare_leader:
-            targets.discard(leader)
-        if not targets:
+        ordered = _members(leader, sessions)
+        if spare_leader and leader in ordered:
+            ordered.remove(leader)
+        if not ordered:
             return signalled
-        for pid in targets:
+        targets = set(ordered)
+        for pid in ordered:  # parents first: see _members
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError:
