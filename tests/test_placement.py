@@ -24,6 +24,7 @@ from weenv.cluster import (
     place,
     place_group,
     rank,
+    with_pending,
 )
 from weenv.provision.elastic._policy import EnvLimits, NodeView, PolicyConfig, admit
 
@@ -35,9 +36,10 @@ DIGESTS = [f"sha256:{i:064x}" for i in range(6)]
 class SimNode:
     """A node as its daemon sees it: NodeView + policy + the limits of the envs it runs."""
 
-    def __init__(self, name, view, cfg, envs, layers, snapshots, accepting):
+    def __init__(self, name, view, cfg, envs, layers, snapshots, accepting, used=0.0):
         self.name, self.view, self.cfg, self.envs = name, view, cfg, list(envs)
         self.layers, self.snapshots, self.accepting = layers, snapshots, accepting
+        self.used = used  # the CPU its envs use now, in cores (spread over them)
 
     def top(self):
         return {
@@ -46,7 +48,7 @@ class SimNode:
                      "memory_headroom_bytes": self.view.memory_headroom_bytes(self.cfg)},
             "policy": {"node_memory_reserve_bytes": self.cfg.node_memory_reserve_bytes,
                        "cpu_min_overcommit": self.cfg.cpu_min_overcommit},
-            "envs": {f"e{i}": {"cpu": {"min_cores": lim.cpu_min_cores, "used_cores": 0.0},
+            "envs": {f"e{i}": {"cpu": {"min_cores": lim.cpu_min_cores, "used_cores": self.used / len(self.envs)},
                                "memory": {"min_bytes": lim.memory_min_bytes}} for i, lim in enumerate(self.envs)},
             "admission": {"admitted": len(self.envs), "refused": 0},
         }
@@ -82,7 +84,8 @@ def sim_nodes(draw, name):
     layers = [LayerHeld(digest=d, size_bytes=draw(st.integers(1, 500)) * MiB, where="envlet")
               for d in draw(st.lists(st.sampled_from(DIGESTS), unique=True, max_size=4))]
     snaps = [SnapshotHeld(id="snap-a", layers=[(DIGESTS[5], 10 * MiB)])] if draw(st.booleans()) else []
-    return SimNode(name, view, cfg, envs, layers, snaps, draw(st.booleans() | st.just(True)))
+    used = draw(st.floats(0.0, view.cpu_cores)) if envs else 0.0
+    return SimNode(name, view, cfg, envs, layers, snaps, draw(st.booleans() | st.just(True)), used)
 
 
 clusters = st.integers(1, 8).flatmap(lambda n: st.tuples(*[sim_nodes(f"n{i}") for i in range(n)]))
@@ -108,20 +111,25 @@ def test_ranks_exactly_the_nodes_whose_daemon_admits(cluster, req):
 
 @settings(max_examples=300, deadline=None)
 @given(clusters, requests, st.sampled_from([0.0, 0.1, 0.25, 1.0]))
-def test_order_load_band_then_cache_bytes_then_home_then_least_committed(cluster, req, band):
+def test_order_load_band_then_cache_bytes_then_home_then_least_loaded(cluster, req, band):
     ranked = place([n.report() for n in cluster], req, band=band)
     if not ranked:
         return
-    least = min(c.committed_share for c in ranked)
-    in_band = [c for c in ranked if c.committed_share <= least + band + 1e-9]
+    by_name = {n.name: n for n in cluster}
+    for c in ranked:  # load: the larger of the committed and in-use shares, plus 1 % per env
+        n = by_name[c.node]
+        cores = n.report().capacity.cpu_cores
+        assert c.envs == len(n.envs)
+        assert c.load == pytest.approx(max(c.committed_share, n.used / cores) + 0.01 * len(n.envs))
+    least = min(c.load for c in ranked)
+    in_band = [c for c in ranked if c.load <= least + band + 1e-9]
     rest = ranked[len(in_band):]
-    # the nodes within the band of the least committed come first, and only they compete on cache
-    assert all(c.committed_share > least + band + 1e-9 for c in rest)
-    keys = [(-c.cached_bytes if (c.cached_bytes or c.home) else 1, not c.home, c.committed_share, c.node)
+    # the nodes within the band of the least loaded come first, and only they compete on cache
+    assert all(c.load > least + band + 1e-9 for c in rest)
+    keys = [(-c.cached_bytes if (c.cached_bytes or c.home) else 1, not c.home, c.load, c.node)
             for c in in_band]
     assert keys == sorted(keys)
-    assert [(c.committed_share, c.node) for c in rest] == sorted((c.committed_share, c.node) for c in rest)
-    by_name = {n.name: n for n in cluster}
+    assert [(c.load, c.node) for c in rest] == sorted((c.load, c.node) for c in rest)
     for c in ranked:  # cached bytes are the plan's bytes the node holds, each layer once
         held = {x.digest: x.size_bytes for x in by_name[c.node].layers}
         for s in by_name[c.node].snapshots:
@@ -152,11 +160,11 @@ def test_a_group_never_exceeds_any_nodes_minimums(cluster, req, n):
 
 
 def node(name, *, cpu=2.0, committed_cpu=0.0, mem=8 * GiB, committed_mem=0, headroom=None, layers=(), snaps=(),
-         accepting=True):
+         accepting=True, envs=0, used=0.0):
     return NodeReport(node=name, accepting=accepting, layers=list(layers), snapshots=list(snaps), capacity=Capacity(
         cpu_cores=cpu, cpu_committed_cores=committed_cpu, memory_total_bytes=mem + 512 * MiB,
         memory_guaranteed_bytes=mem, memory_committed_bytes=committed_mem,
-        memory_headroom_bytes=mem - committed_mem if headroom is None else headroom))
+        memory_headroom_bytes=mem - committed_mem if headroom is None else headroom, envs=envs, cpu_used_cores=used))
 
 
 REQ = PlacementRequest(layers=((DIGESTS[0], 300 * MiB), (DIGESTS[1], 50 * MiB)), cpu_min_cores=0.25,
@@ -215,3 +223,72 @@ def test_refusals_say_why():
 def test_duplicate_node_names_are_refused():
     with pytest.raises(PlacementError, match="unique"):
         ClusterView([node("a"), node("a")])
+
+
+# ---------------------------------------------------------------------------- small envs spread
+
+SMALL = PlacementRequest(layers=((DIGESTS[0], 300 * MiB), (DIGESTS[1], 50 * MiB)), cpu_min_cores=0.02,
+                         memory_min_bytes=16 * MiB, memory_max_bytes=128 * MiB)  # the benchmark's envs
+HELD = [LayerHeld(digest=DIGESTS[0], size_bytes=300 * MiB, where="envlet"),
+        LayerHeld(digest=DIGESTS[1], size_bytes=50 * MiB, where="envlet")]
+
+
+def test_a_burst_of_small_envs_spreads_over_equally_cached_nodes():
+    # 12 creates at once (slime's rollout, E2B clients): none is in a report yet when the next is
+    # placed. Counted as pending, they spread 4/4/4; without, every one went to node "a"
+    reports = [node(n, layers=HELD) for n in "abc"]
+    pending: dict[str, list[PlacementRequest]] = {n: [] for n in "abc"}
+    placed = []
+    for _ in range(12):
+        view = ClusterView([with_pending(r, pending[r.node]) for r in reports])
+        best = rank(view, SMALL, limit=1)[0]
+        assert best.cached_bytes == 350 * MiB
+        pending[best.node].append(SMALL)
+        placed.append(best.node)
+    assert placed[:3] == ["a", "b", "c"] and {n: placed.count(n) for n in "abc"} == {"a": 4, "b": 4, "c": 4}
+
+
+def test_env_count_and_cpu_in_use_break_ties_of_committed_share():
+    # the same committed share (0.2 cores of 2): 1 % per env, and the CPU the envs use now, tell them apart
+    nodes = [node("a", committed_cpu=0.2, layers=HELD, envs=10), node("b", committed_cpu=0.2, layers=HELD, envs=1),
+             node("c", committed_cpu=0.2, layers=HELD, envs=4)]
+    assert [c.node for c in place(nodes, SMALL)] == ["b", "c", "a"]
+    busy = [node("a", committed_cpu=0.2, layers=HELD, envs=2, used=1.6), node("b", committed_cpu=0.2, layers=HELD, envs=2),
+            node("c", committed_cpu=0.4, layers=HELD, envs=2)]
+    ranked = place(busy, SMALL)
+    assert [c.node for c in ranked] == ["b", "c", "a"]  # a's envs use 80 % of its CPU
+    assert ranked[2].load == pytest.approx(0.8 + 0.02) and ranked[0].committed_share == pytest.approx(0.1)
+
+
+def test_cache_affinity_still_wins_over_env_count_within_the_band():
+    nodes = [node("a", envs=0), node("b", layers=HELD, envs=10), node("c", layers=HELD[:1], envs=0)]
+    assert [c.node for c in place(nodes, SMALL)] == ["b", "c", "a"]  # b: 10 % loaded, all of the plan
+    crowded = [node("a", envs=0), node("b", layers=HELD, envs=30)]  # 30 % ahead: past the band
+    assert [c.node for c in place(crowded, SMALL)] == ["a", "b"]
+    assert [c.node for c in place(crowded, SMALL, band=1.0)] == ["b", "a"]
+
+
+def test_pending_envs_count_their_mins_and_layers():
+    r = node("a", committed_cpu=0.5, committed_mem=GiB, envs=3, layers=HELD[:1])
+    got = with_pending(r, [SMALL, SMALL])
+    c = got.capacity
+    assert c.envs == 5 and c.cpu_committed_cores == pytest.approx(0.54)
+    assert c.memory_committed_bytes == GiB + 32 * MiB and c.memory_headroom_bytes == r.capacity.memory_headroom_bytes - 32 * MiB
+    assert sorted(x.digest for x in got.layers) == [DIGESTS[0], DIGESTS[1]]  # each layer once
+    assert with_pending(r, []) is r
+
+
+@settings(max_examples=200, deadline=None)
+@given(clusters, requests, st.integers(1, 30))
+def test_a_burst_placed_with_pending_never_exceeds_any_nodes_minimums(cluster, req, n):
+    # each create placed on reports that do not show the ones before it, only their pending entries
+    by_name = {x.name: x for x in cluster}
+    reports = [x.report() for x in cluster]
+    pending: dict[str, list[PlacementRequest]] = {x.name: [] for x in cluster}
+    for _ in range(n):
+        ranked = rank(ClusterView([with_pending(r, pending[r.node]) for r in reports]), req, limit=1)
+        if not ranked:
+            break
+        name = ranked[0].node
+        assert by_name[name].admits(req, [limits_of(q) for q in pending[name]]), name
+        pending[name].append(req)

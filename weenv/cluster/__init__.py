@@ -17,7 +17,16 @@ from ._aio import AsyncClusterClient, AsyncClusterEnv
 from ._agent import NodeAgent, agent_class, agent_name, load_published, node_name_for
 from ._local import LocalCluster, stop_node
 from ._cluster import Backend, Cluster, ClusterEnv, NodeClient, connect
-from ._placement import Choice, ClusterView, PlacementRequest, place, place_group, rank, request_for
+from ._placement import (
+    Choice,
+    ClusterView,
+    PlacementRequest,
+    place,
+    place_group,
+    rank,
+    request_for,
+    with_pending,
+)
 from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconciler
 from ._report import Capacity, EnvHeld, LayerHeld, NodeReport, SnapshotHeld, capacity_from_top, node_of
 
@@ -62,4 +71,5 @@ __all__ = [
     "rank",
     "request_for",
     "stop_node",
+    "with_pending",
 ]

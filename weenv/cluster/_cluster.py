@@ -17,6 +17,7 @@ daemon's whole API without knowing it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -34,11 +35,13 @@ from ._errors import (
     PlacementError,
     UnknownEnvError,
 )
-from ._placement import ClusterView, PlacementRequest, place_group, rank, request_for
+from ._placement import ClusterView, PlacementRequest, place_group, rank, request_for, with_pending
 from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconciler
 from ._report import NodeReport, node_of, peer_tables
 
 log = logging.getLogger("weenv.cluster")
+
+PENDING_TTL_S = 60.0  # an env placed but never seen in its node's report stops counting after this
 
 
 # ================================================================================ node clients
@@ -251,7 +254,12 @@ class Cluster:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._sync_thread: threading.Thread | None = None
-        self._view: tuple[tuple[tuple[str, int, float], ...], ClusterView] | None = None
+        self._view: tuple[Any, ClusterView] | None = None
+        # creates placed but not in their node's report yet: ticket -> (node, request, env id once
+        # known, since); the view counts them (with_pending), so concurrent creates see each other
+        self._pending: dict[int, tuple[str, PlacementRequest, str | None, float]] = {}
+        self._tickets = itertools.count(1)
+        self._pending_version = 0
         self._peers_sent: dict[str, tuple[float, dict[str, list[str]]]] = {}  # node -> (when, peer table)
         self.peer_resend_s = 15.0  # a table is sent again this often (an envlet restarted since forgets it)
 
@@ -485,10 +493,52 @@ class Cluster:
     def _current_view(self) -> ClusterView:
         with self._lock:
             reports = self.reconciler.reports()
-        key = tuple((r.node, r.seq, r.taken_s) for r in reports)
-        if self._view is None or self._view[0] != key:
-            self._view = (key, ClusterView(reports))
-        return self._view[1]
+            if self._pending:
+                self._drop_seen_pending(reports)
+            key = (tuple((r.node, r.seq, r.taken_s) for r in reports), self._pending_version)
+            if self._view is not None and self._view[0] == key:
+                return self._view[1]
+            by_node: dict[str, list[PlacementRequest]] = {}
+            for node, req, _, _ in self._pending.values():
+                by_node.setdefault(node, []).append(req)
+            view = ClusterView([with_pending(r, by_node.get(r.node, ())) for r in reports])
+            self._view = (key, view)
+            return view
+
+    def _drop_seen_pending(self, reports: list[NodeReport]) -> None:
+        """Forget pending creates whose env a report lists now (or that are too old to wait for)."""
+        now = time.monotonic()
+        listed: dict[str, set[str]] = {}
+        for ticket, (node, _, env_id, since) in list(self._pending.items()):
+            if env_id is not None and node not in listed:
+                listed[node] = {e.id for r in reports if r.node == node for e in r.envs}
+            if now - since > PENDING_TTL_S or (env_id is not None and env_id in listed[node]):
+                del self._pending[ticket]
+                self._pending_version += 1
+
+    def reserve(self, node: str, req: PlacementRequest) -> int:
+        """Count a create about to be sent to ``node`` in every placement until its node reports
+        the env (:meth:`settle` it with the env's id, or None when the create failed)."""
+        with self._lock:
+            ticket = next(self._tickets)
+            self._pending[ticket] = (node, req, None, time.monotonic())
+            self._pending_version += 1
+            return ticket
+
+    def settle(self, ticket: int, env_id: str | None) -> None:
+        with self._lock:
+            entry = self._pending.pop(ticket, None)
+            if entry is not None and env_id is not None:
+                self._pending[ticket] = (entry[0], entry[1], env_id, time.monotonic())
+            self._pending_version += 1
+
+    def place(self, req: PlacementRequest, *, limit: int = 3) -> tuple[list[str], int | None]:
+        """The nodes to try for ``req``, best first, with the first one already reserved (its
+        ticket, None when no node admits it): ranking and reserving are one step, so that a burst
+        of concurrent creates spreads as the same creates one after the other would."""
+        with self._lock:
+            ranked = [c.node for c in rank(self._current_view(), req, limit=limit)]
+            return ranked, (self.reserve(ranked[0], req) if ranked else None)
 
     def _request(self, plan: dict[str, Any] | None, snapshot: str | None) -> tuple[PlacementRequest, dict[str, Any]]:
         """The placement request and the create body for a plan lock or a snapshot (id or published ref)."""
@@ -566,13 +616,16 @@ class Cluster:
         if overrides:
             body["overrides"] = overrides
         if node is not None:
-            candidates = [node]
+            candidates, ticket = [node], self.reserve(node, req)
         else:
-            candidates = [c.node for c in rank(self._current_view(), req, limit=3)]
+            candidates, ticket = self.place(req)
             if not candidates:
                 place_group(self._current_view(), req, 1)  # raises, saying why
         last: Exception | None = None
-        for name in candidates:
+        for k, name in enumerate(candidates):
+            if k > 0:
+                ticket = self.reserve(name, req)
+            info = None
             try:
                 info = self._client(name).call("POST", "/v1/envs", json=body)
             except AgentError as e:
@@ -583,6 +636,8 @@ class Cluster:
             except NodeLostError as e:
                 last = e
                 continue
+            finally:
+                self.settle(ticket, info["id"] if isinstance(info, dict) and "id" in info else None)
             with self._lock:
                 self._routes[info["id"]] = name
             self._refresh_one(name)  # the next placement sees this env's mins and layers

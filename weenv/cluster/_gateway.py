@@ -111,27 +111,36 @@ class _ClusterTransport(httpx.AsyncBaseTransport):
         except msgspec.DecodeError as e:
             return _error(400, "bad_request", f"the create body is not JSON: {e}")
         try:
-            nodes = await self.backend.candidates(parsed if isinstance(parsed, dict) else {})
+            nodes, req, ticket = await self.backend.placed(parsed if isinstance(parsed, dict) else {})
         except PlacementError as e:
             return _error(503, "not_admitted", str(e))
+        cluster = self.backend.cluster
         last: httpx.Response | None = None
-        for name in nodes:
+        for k, name in enumerate(nodes):
+            if k > 0:
+                ticket = cluster.reserve(name, req)  # counted by concurrent creates until its node reports it
+            env_id = None
             try:
-                client = self.backend.node_client(name)
-                resp = await self._send(client, request, body)
-            except HttpError:
-                continue
-            except httpx.TransportError as e:
-                log.warning("node %s: its daemon API does not answer: %s", name, e)
-                continue
-            if resp.status_code == 503 and _kind(resp) == "not_admitted":
-                last = resp
-                continue
-            if resp.status_code < 300:
                 try:
-                    await self.backend.created(name, resp.json()["id"])
-                except (KeyError, ValueError, TypeError):
-                    pass
+                    client = self.backend.node_client(name)
+                    resp = await self._send(client, request, body)
+                except HttpError:
+                    continue
+                except httpx.TransportError as e:
+                    log.warning("node %s: its daemon API does not answer: %s", name, e)
+                    continue
+                if resp.status_code == 503 and _kind(resp) == "not_admitted":
+                    last = resp
+                    continue
+                if resp.status_code < 300:
+                    try:
+                        env_id = str(resp.json()["id"])
+                    except (KeyError, ValueError, TypeError):
+                        pass
+            finally:
+                cluster.settle(ticket, env_id)
+            if env_id is not None:
+                await self.backend.created(name, env_id)
             return _wrap(resp)
         if last is not None:
             return _wrap(last)
@@ -285,15 +294,17 @@ class ClusterBackend(Backend):
             raise PlacementError(f"the create's overrides: {e}") from None
         return req
 
-    async def candidates(self, body: dict[str, Any]) -> list[str]:
-        """The nodes to try for a create body, best first (PlacementError: none admits, and why)."""
+    async def placed(self, body: dict[str, Any]) -> tuple[list[str], PlacementRequest, int]:
+        """The nodes to try for a create body, best first, its placement request, and the ticket
+        reserving the first node (:meth:`Cluster.place`; settle it). PlacementError: none admits."""
         import anyio.to_thread
 
         req = await anyio.to_thread.run_sync(self.request_for_body, body)  # a snapshot's detail: an agent call
-        ranked = self.cluster.rank(req, limit=3)
-        if not ranked:
+        nodes, ticket = self.cluster.place(req, limit=3)
+        if ticket is None:
             await anyio.to_thread.run_sync(lambda: place_group(self.cluster._current_view(), req, 1))
-        return [c.node for c in ranked]
+            raise PlacementError("no node admits the env")  # place_group raised already, unless the view moved
+        return nodes, req, ticket
 
     async def created(self, node: str, env_id: str) -> None:
         """Route the new env at once, and let the next placement see it (a fresh report of its node)."""

@@ -7,21 +7,29 @@ Rules, in order (docs/cluster.md):
    too, the min fits in today's headroom, the sum of CPU mins fits in cores x overcommit. A node
    that is not accepting (daemon or envlet down, lost, draining) takes nothing. A node-local
    snapshot starts only on its home node.
-2. The load band: only nodes whose committed share is within ``band`` (default 0.25, i.e. 25 % of
-   capacity; ``$WEENV_PLACEMENT_BAND``) of the least committed admitting node compete on rules
-   3-4; the others follow, least committed first. Cache affinity wins among comparably loaded
-   nodes but never piles every env on the one node that has the plan.
+2. The load band: only nodes whose load is within ``band`` (default 0.25, i.e. 25 % of capacity;
+   ``$WEENV_PLACEMENT_BAND``) of the least loaded admitting node compete on rules 3-4; the others
+   follow, least loaded first. Cache affinity wins among comparably loaded nodes but never piles
+   every env on the one node that has the plan.
 3. Most of the plan's bytes already on the node (envlet, layer trees, snapshot layers, layers seen).
 4. The snapshot's home node, for forks and envs from a snapshot.
-5. The least committed node: the larger of its CPU-min and memory-min shares.
+5. The least loaded node.
 6. The node name, so that a decision is reproducible.
+
+A node's load is the larger of its committed share (its CPU-min and memory-min shares) and the
+share of its CPU its envs use now, plus ``ENV_WEIGHT`` (1 %) per env it runs: an env costs a node
+more than its minimums (its processes, mounts, the daemon's work), so a node holding ten envs with
+tiny minimums counts as busier than an empty one, and a burst of small envs spreads over nodes that
+hold the plan equally instead of piling on the first name.
 
 A group (n envs of one request, e.g. the forks of one snapshot) fills the best node up to what
 it admits, then the next: it spreads only when one node cannot take them all.
 
 :class:`ClusterView` is built once per batch of reports (an index from layer digest to the nodes
 holding it); :func:`rank` and :func:`place_group` then cost a filter over the nodes plus a sort
-of the candidates: about 0.3 ms at 1,000 nodes (benchmarks/cluster.py).
+of the candidates: about 0.3 ms at 1,000 nodes (benchmarks/cluster.py). :func:`with_pending`
+counts envs placed on a node but not yet in its report (creates in flight), so that concurrent
+creates see each other.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ import os
 import msgspec
 
 from ._errors import PlacementError
-from ._report import NodeReport
+from ._report import LayerHeld, NodeReport
 
 _EPS = 1e-9
 DEFAULT_BAND = 0.25
+ENV_WEIGHT = 0.01  # each env adds 1 % of a node to its load (rules 2 and 5)
 
 
 def default_band() -> float:
@@ -67,13 +76,16 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     cached_bytes: int
     home: bool
-    committed_share: float
+    committed_share: float  # the larger of the CPU-min and memory-min shares
+    load: float = 0.0  # what rules 2 and 5 compare: max(committed share, CPU in use share) + ENV_WEIGHT x envs
+    envs: int = 0
 
 
 class _Node:
     """One node's numbers, unpacked from its report once per view."""
 
-    __slots__ = ("name", "accepting", "cpu_cap", "cpu_committed", "mem_free", "headroom", "ceiling", "share")
+    __slots__ = ("name", "accepting", "cpu_cap", "cpu_committed", "mem_free", "headroom", "ceiling", "share",
+                 "load", "envs")
 
     def __init__(self, r: NodeReport):
         c = r.capacity
@@ -87,6 +99,9 @@ class _Node:
         cpu_share = c.cpu_committed_cores / c.cpu_cores if c.cpu_cores > 0 else 1.0
         mem_share = c.memory_committed_bytes / c.memory_guaranteed_bytes if c.memory_guaranteed_bytes > 0 else 1.0
         self.share = max(cpu_share, mem_share)
+        used_share = max(c.cpu_used_cores, 0.0) / c.cpu_cores if c.cpu_cores > 0 else 1.0
+        self.envs = c.envs
+        self.load = max(self.share, used_share) + ENV_WEIGHT * max(c.envs, 0)
 
 
 class ClusterView:
@@ -113,10 +128,32 @@ class ClusterView:
                         seen.add(digest)
                         self.layer_index.setdefault(digest, []).append((i, size))
 
-        self.order = sorted(range(len(self.nodes)), key=lambda i: (self.nodes[i].share, self.nodes[i].name))
+        self.order = sorted(range(len(self.nodes)), key=lambda i: (self.nodes[i].load, self.nodes[i].name))
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+
+def with_pending(report: NodeReport, reqs: Sequence[PlacementRequest]) -> NodeReport:
+    """``report`` as it will read once the envs of ``reqs`` are in it: envs placed on its node whose
+    create is in flight, or done but not yet in a report. Their mins are committed (the memory min
+    out of today's headroom too), each is one env more, and their layers are on the node ("seen"),
+    so concurrent creates are placed as if they came one after the other."""
+    if not reqs:
+        return report
+    c = report.capacity
+    mem = sum(r.memory_min_bytes for r in reqs)
+    cap = msgspec.structs.replace(c, cpu_committed_cores=c.cpu_committed_cores + sum(r.cpu_min_cores for r in reqs),
+                                  memory_committed_bytes=c.memory_committed_bytes + mem,
+                                  memory_headroom_bytes=c.memory_headroom_bytes - mem, envs=c.envs + len(reqs))
+    held = {x.digest for x in report.layers}
+    extra: dict[str, int] = {}
+    for r in reqs:
+        for digest, size in r.layers:
+            if digest not in held:
+                extra.setdefault(digest, size)
+    layers = [*report.layers, *(LayerHeld(digest=d, size_bytes=s, where="seen") for d, s in extra.items())]
+    return msgspec.structs.replace(report, capacity=cap, layers=layers)
 
 
 def _admits(n: _Node, cpu: float, mem_min: int, mem_max: int) -> bool:
@@ -145,21 +182,21 @@ def _ranked(view: ClusterView, req: PlacementRequest,
     home = view.by_name.get(req.snapshot_home or "", -1)
     if req.snapshot_local:
         return ([home] if home >= 0 and _admits(nodes[home], cpu, mem_min, mem_max) else []), cached, home
-    # view.order is the nodes by (committed share, name): filtering in that order leaves only the
+    # view.order is the nodes by (load, name): filtering in that order leaves only the
     # few nodes holding plan bytes (or the home) to sort ahead of the rest
     candidates = [i for i in view.order if (n := nodes[i]).accepting and mem_max <= n.ceiling
                   and mem_min <= n.mem_free and mem_min <= n.headroom and n.cpu_committed + cpu <= n.cpu_cap]
     if not candidates or (not cached and home < 0):
         return candidates, cached, home
-    # the load band (rule 2): candidates are in share order, so the band is a prefix of them
-    limit = nodes[candidates[0]].share + (default_band() if band is None else band) + _EPS
+    # the load band (rule 2): candidates are in load order, so the band is a prefix of them
+    limit = nodes[candidates[0]].load + (default_band() if band is None else band) + _EPS
     k = 0
-    while k < len(candidates) and nodes[candidates[k]].share <= limit:
+    while k < len(candidates) and nodes[candidates[k]].load <= limit:
         k += 1
     in_band, rest = candidates[:k], candidates[k:]
     boosted = cached.keys() | {home}
     front = sorted((i for i in in_band if i in boosted),
-                   key=lambda i: (-cached.get(i, 0), i != home, nodes[i].share, nodes[i].name))
+                   key=lambda i: (-cached.get(i, 0), i != home, nodes[i].load, nodes[i].name))
     front_set = set(front)
     return front + [i for i in in_band if i not in front_set] + rest, cached, home
 
@@ -173,7 +210,7 @@ def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None,
         del order[limit:]
     nodes = view.nodes
     return [Choice(node=nodes[i].name, cached_bytes=cached.get(i, 0), home=i == home,
-                   committed_share=nodes[i].share) for i in order]
+                   committed_share=nodes[i].share, load=nodes[i].load, envs=nodes[i].envs) for i in order]
 
 
 def _fits(n: _Node, req: PlacementRequest, want: int) -> int:
