@@ -111,3 +111,57 @@ def test_the_gateway_backend_needs_the_cluster_token():
     with pytest.raises(ClusterError, match="cluster token"):
         ClusterBackend(_FakeCluster(), "")  # type: ignore[arg-type]
 
+
+
+def test_a_ray_client_address_without_rays_client_installed_says_what_to_install(monkeypatch):
+    import sys
+
+    import weenv
+    from weenv.cluster import ClusterError
+    from weenv.cluster._cluster import join_ray
+
+    monkeypatch.setitem(sys.modules, "grpc", None)  # as without ray[client]: `import grpc` raises ImportError
+    with pytest.raises(ClusterError, match=r"ray://127\.0\.0\.1:1: a ray:// address needs Ray's client.*"
+                                           r"pip install 'ray\[client\]'"):
+        join_ray("ray://127.0.0.1:1", namespace="weenv")
+    with pytest.raises(ClusterError, match="needs Ray's client"):
+        weenv.Client("ray://127.0.0.1:1")  # the client's lookup of the gateway goes the same way
+
+
+def test_an_env_port_tunnel_reaches_the_daemon_through_its_node_api_with_the_cluster_token(tmp_path):
+    # what the gateway does for get_host(port) traffic: the daemon's port tunnel, over the node's TCP API
+    import trio
+
+    from weenv import AsyncClient
+    from weenv.api._proxy import Tunnel, TunnelError
+
+    path = str(tmp_path / "weenv.sock")
+    stop = threading.Event()
+    thread = _fake_daemon(path, stop)
+    api = NodeApi(path, token_digest("s3cret") or "", "127.0.0.1").start()
+
+    async def main() -> None:
+        clients = [AsyncClient(api.url, token=t, autostart=False) for t in ("s3cret", "wrong")]
+        try:
+            tunnel = await Tunnel.open(clients[0], "n1-bb-0a", 8000)
+            try:
+                assert await tunnel.receive() == b"POST /v1/envs/n1-bb-0a/ports/8000 HTTP/1.1"
+            finally:
+                await tunnel.aclose()
+            with pytest.raises(TunnelError, match="cluster token") as refused:
+                await Tunnel.open(clients[1], "n1-bb-0a", 8000)
+            assert refused.value.status == 401
+            with pytest.raises(TunnelError, match="plain http:// only") as tls:
+                await Tunnel.open(AsyncClient("https://127.0.0.1:1", token="x", autostart=False), "n1-bb-0a", 8000)
+            assert tls.value.status == 501
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    try:
+        trio.run(main)
+        assert api.refused == 1
+    finally:
+        api.stop()
+        stop.set()
+        thread.join(5)

@@ -58,6 +58,8 @@ class RayWeenv:
     def __init__(self, ray_cluster, cluster, homes, roots, plan_bb, plan_bt, registry_host):
         self.ray_cluster, self.cluster, self.homes, self.roots = ray_cluster, cluster, homes, roots
         self.plan_bb, self.plan_bt, self.registry_host = plan_bb, plan_bt, registry_host
+        port = ray_cluster.ray_client_port
+        self.ray_client = f"ray://127.0.0.1:{port}" if port else None  # the head's Ray client server
 
     def node_names(self):
         return sorted(self.cluster.clients)
@@ -73,7 +75,7 @@ def rw(registry, tmp_path_factory):
 
     t0 = time.monotonic()
     plan_bb, plan_bt = _publish_plans(registry.host, tmp_path_factory.mktemp("cluster-plans"))
-    local = LocalCluster(nodes=3)
+    local = LocalCluster(nodes=3, ray_client_port=_free_port() if _has_ray_client() else None)
     cluster = None
     try:
         local.start()
@@ -90,6 +92,22 @@ def rw(registry, tmp_path_factory):
         left = local.stop()
         print(f"teardown: {time.monotonic() - t1:.1f} s")
         assert not left, f"the cluster tests left: {left}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _has_ray_client() -> bool:
+    try:
+        import grpc  # noqa: F401  (ray[client])
+    except ImportError:
+        return False
+    return True
 
 
 def _ray_pids() -> set[int]:
@@ -398,7 +416,7 @@ class Gateway:
         env = {**os.environ, "WEENV_HOME": str(self.home), "WEENV_CLUSTER_TOKEN": TOKEN}
         self.proc = subprocess.Popen([sys.executable, "-m", "weenv", "cluster", "serve", "--ray-address", self.address,
                                       "--listen", f"127.0.0.1:{self.port}", "--node-ip", "127.0.0.1",
-                                      "--report-interval", "0.5"], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                      "--domain", "weenv.test", "--report-interval", "0.5"], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=log, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 60
@@ -527,6 +545,56 @@ def test_the_e2b_sdk_through_the_gateway(rw, gw, monkeypatch):
         e2b.Sandbox.get_info(sbx.sandbox_id)
 
 
+def _wait_http(url: str, headers: dict[str, str]):
+    import httpx
+
+    deadline = time.monotonic() + 15
+    while True:
+        r = httpx.get(url, headers=headers, timeout=10)
+        if r.status_code != 502 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)  # the server in the env is not listening yet
+
+
+def test_env_ports_through_the_gateway_reach_servers_in_envs_on_every_node(rw, gw, monkeypatch):
+    # E2B's get_host(port) and /proxy/{id}/{port}/: the gateway opens the daemon's port tunnel on the
+    # env's node through that node's daemon API (cluster token), not its own node's socket
+    e2b = pytest.importorskip("e2b")
+    import httpx
+
+    from weenv.cluster import node_of
+
+    monkeypatch.setenv("E2B_API_URL", gw.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", gw.url)
+    monkeypatch.setenv("E2B_API_KEY", gw.keys["alice"])
+    monkeypatch.setenv("E2B_DOMAIN", "weenv.test")
+    boxes = []
+    try:
+        for _ in range(3):
+            boxes.append(e2b.Sandbox.create("bb", timeout=120))
+        nodes = [node_of(b.sandbox_id) for b in boxes]
+        print("sandboxes with a server on", nodes)
+        assert len(set(nodes)) >= 2, nodes  # small envs spread over equally cached nodes
+        for sbx, node in zip(boxes, nodes):
+            sbx.files.write("/tmp/www/index.html", f"hello from {node}\n")
+            sbx.commands.run("busybox httpd -f -p 127.0.0.1:8000 -h /tmp/www", background=True).disconnect()
+        for sbx, node in zip(boxes, nodes):
+            host = sbx.get_host(8000)
+            assert host == f"8000-{sbx.sandbox_id}.weenv.test"
+            r = _wait_http(gw.url + "/index.html", {"Host": host})
+            assert r.status_code == 200 and r.text == f"hello from {node}\n", (r.status_code, r.text)
+            assert httpx.get(gw.url + "/nope.html", headers={"Host": host}, timeout=10).status_code == 404  # its server
+            r = httpx.get(f"{gw.url}/proxy/{sbx.sandbox_id}/8000/index.html", timeout=10)
+            assert r.status_code == 200 and r.text == f"hello from {node}\n"
+            r = httpx.get(gw.url + "/", headers={"Host": sbx.get_host(8001)}, timeout=10)
+            assert r.status_code == 502 and "port 8001 is not open" in r.json()["message"], r.text
+        r = httpx.get(gw.url + "/", headers={"Host": f"8000-{nodes[0]}-bb-00000000.weenv.test"}, timeout=10)
+        assert r.status_code == 404  # no such sandbox: refused by the gateway, no node asked
+    finally:
+        for b in boxes:
+            b.kill()
+
+
 def test_the_gateway_restarted_mid_run_keeps_routing_every_env(rw, gw):
     from weenv.cluster import node_of
 
@@ -542,6 +610,68 @@ def test_the_gateway_restarted_mid_run_keeps_routing_every_env(rw, gw):
     finally:
         for e in envs:
             e.kill()
+
+
+def _outside_the_cluster(code: str) -> str:
+    """Run ``code`` in a fresh Python (a process that is not a Ray driver): its stdout."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_a_client_outside_the_cluster_finds_the_gateway_through_a_ray_client_address(rw, gw):
+    if rw.ray_client is None:
+        pytest.skip("Ray's client (ray[client], grpcio) is not installed")
+    import psutil
+
+    env = gw.client().create(rw.plan_bb)
+    try:
+        out = _outside_the_cluster(
+            "import weenv\n"
+            f"for c in (weenv.Client({rw.ray_client!r}, token={gw.keys['alice']!r}),\n"
+            f"          weenv.Client(cluster={rw.ray_client!r}, token={gw.keys['alice']!r})):\n"
+            f"    print(c.socket_path, c.get({env.id!r}).exec('echo via ray client').stdout.decode().strip())\n")
+        assert out.splitlines() == [f"{gw.url} via ray client"] * 2, out
+    finally:
+        env.kill()
+    # the head's Ray client server (and the per-client servers it spawned) listen on loopback only
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+                 and c.pid in _ray_pids()]
+    assert int(rw.ray_client.rsplit(":", 1)[1]) in {c.laddr.port for c in listening}
+    assert not [(c.pid, c.laddr) for c in listening if not _loopback(c.laddr.ip)]
+
+
+def test_weenv_cluster_serve_joins_through_a_ray_client_address(rw, gw):
+    if rw.ray_client is None:
+        pytest.skip("Ray's client (ray[client], grpcio) is not installed")
+    from weenv.cluster import node_of
+
+    client = gw.client()
+    before = client.create(rw.plan_bb)
+    gw.stop()
+    address = gw.address
+    gw.address = rw.ray_client  # the gateway as a Ray client, from outside the cluster
+    try:
+        gw.start()
+        assert "for 3 nodes (ray://127.0.0.1:" in gw.log()
+        via = gw.client()  # found in the KV store, through the Ray driver of this test
+        assert via.get(before.id).exec("echo routed").stdout == b"routed\n"
+        envs = [via.create(rw.plan_bb, cpu="0.9-1") for _ in range(3)]
+        try:
+            assert sorted(node_of(e.id) for e in envs) == rw.node_names()  # placed from its reports
+            assert all(e.exec("echo ok").stdout == b"ok\n" for e in envs)
+        finally:
+            for e in envs:
+                e.kill()
+    finally:
+        before.kill()
+        gw.stop()
+        gw.address = address
+        gw.start()
 
 
 def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw, gw):
@@ -577,6 +707,10 @@ def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw, gw):
     with pytest.raises(weenv.ApiError, match=f"env {gw_on_b.id} is lost: its node {b} was lost") as lost:
         gw_on_b.exec("true")
     assert lost.value.status == 410 and lost.value.kind == "env_lost"
+    import httpx
+
+    port = httpx.get(f"{gw.url}/proxy/{gw_on_b.id}/8000/", timeout=10)  # its ports too
+    assert port.status_code == 410 and f"its node {b} was lost" in port.text, port.text
     gw_news = []
     try:
         gw_news = [client.create(rw.plan_bb) for _ in range(3)]

@@ -201,7 +201,7 @@ class Gate:
                 return
             try:
                 tunnel = await Tunnel.open(self.state.backend.for_env(env_id), env_id, port)
-            except TunnelError as e:
+            except (TunnelError, HttpError) as e:  # HttpError: the backend's (a cluster's env on a lost node: 410)
                 await refuse(e.status, e.message)
                 return
             try:

@@ -46,18 +46,27 @@ class Tunnel:
 
     @classmethod
     async def open(cls, client: AsyncClient, env_id: str, port: int) -> "Tunnel":
-        if _is_url(client.socket_path):
-            raise TunnelError(501, "this server reaches its daemon over TCP: env ports are proxied only by a "
-                              "server on the daemon's node")
+        """The daemon's tunnel to ``port`` of ``env_id``: over its Unix socket, or over a node's daemon
+        API on TCP (the cluster gateway: ``http://`` only, with the client's ``Authorization``)."""
+        auth: list[tuple[str, str]] = []
         try:
-            sock = await anyio.connect_unix(client.socket_path)
+            if _is_url(client.socket_path):
+                url = urllib.parse.urlsplit(client.socket_path)
+                if url.scheme != "http" or not url.hostname:
+                    raise TunnelError(501, f"env ports are proxied to a daemon's TCP API over plain http:// only, "
+                                      f"not {client.socket_path!r}")
+                sock: SocketStream = await anyio.connect_tcp(url.hostname, url.port or 80)
+                if (value := client._http.headers.get("authorization")) is not None:
+                    auth = [("authorization", value)]  # the node API's cluster token, on its first request
+            else:
+                sock = await anyio.connect_unix(client.socket_path)
         except OSError as e:
-            log.error("the daemon does not answer: %s", e)
+            log.error("the daemon does not answer at %s: %s", client.socket_path, e)
             raise TunnelError(503, "the node's weenv daemon does not answer") from None
         t = cls(sock)
         try:
             await t._send(h11.Request(method="POST", target=f"/v1/envs/{urllib.parse.quote(env_id)}/ports/{port}",
-                                      headers=[("host", "weenv"), ("transfer-encoding", "chunked")]))
+                                      headers=[("host", "weenv"), *auth, ("transfer-encoding", "chunked")]))
             while True:
                 ev = await t._next()
                 if isinstance(ev, h11.Response):

@@ -708,6 +708,28 @@ class Cluster:
         return children
 
 
+def require_ray_client(address: str) -> None:
+    """Refuse a ``ray://`` address clearly when this Python has no Ray client (``ray[client]``: grpcio)."""
+    try:
+        import grpc  # noqa: F401  (what Ray's client is built on; ray.init("ray://...") fails deep without it)
+        import ray.util.client  # noqa: F401
+    except ImportError as e:
+        raise ClusterError(f"{address}: a ray:// address needs Ray's client, which is not installed here ({e}): "
+                           f"`pip install 'ray[client]'` (weenv[cluster] brings it), or give the Ray cluster's "
+                           f"GCS address (HEAD:6379) from a process that can join it") from None
+
+
+def join_ray(address: str | None, **kw: Any) -> None:
+    """``ray.init`` for a cluster address: ``ray://HOST:PORT`` through Ray's client (a process outside
+    the cluster; driver-only options such as ``_node_ip_address`` do not apply there), else joining."""
+    import ray
+
+    if address is not None and address.startswith("ray://"):
+        require_ray_client(address)
+        kw = {k: v for k, v in kw.items() if not k.startswith("_") and k not in ("include_dashboard",)}
+    ray.init(address=address, **kw)
+
+
 def connect(ray_address: str | None = None, *, token: str | None = None, store: str | None = None,
             namespace: str = AGENT_NAMESPACE, wait_s: float = 120.0, ray_init: dict[str, Any] | None = None,
             **options: Any) -> Cluster:
@@ -720,7 +742,7 @@ def connect(ray_address: str | None = None, *, token: str | None = None, store: 
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=ray_address, namespace=namespace, **(ray_init or {}))
+        join_ray(ray_address, namespace=namespace, **(ray_init or {}))
     cluster = Cluster(token=token, store=store, **options).start()
     cluster.wait_ready(wait_s)
     return cluster

@@ -31,7 +31,7 @@ import msgspec
 from .._client import AsyncClient
 from ..api._backend import Backend
 from ..api._common import HttpError
-from ._cluster import Cluster
+from ._cluster import Cluster, join_ray
 from ._errors import ClusterError, EnvLostError, NodeLostError, PlacementError, UnknownEnvError
 from ._placement import PlacementRequest, place_group, request_for
 
@@ -328,8 +328,7 @@ def lookup(ray_address: str | None = None) -> str:
     from ray.experimental import internal_kv
 
     if not ray.is_initialized():
-        ray.init(address=ray_address, namespace=KV_NAMESPACE, logging_level=logging.WARNING,
-                 log_to_driver=False)
+        join_ray(ray_address, namespace=KV_NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     raw = internal_kv._internal_kv_get(KV_GATEWAY, namespace=KV_NAMESPACE)
     if not raw:
         raise ClusterError(f"no weenv gateway is registered in the Ray cluster at {ray_address or 'this job'}: "

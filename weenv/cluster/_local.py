@@ -90,6 +90,7 @@ def stop_node(home: str, cgroup_root: str) -> list[str]:
 class LocalCluster:
     nodes: int = 3
     cpus_per_node: int = 1
+    ray_client_port: int | None = None  # serve Ray client (ray://127.0.0.1:PORT) from the head; needs ray[client]
     base: str = ""
     homes: list[str] = field(default_factory=list)
     cgroup_roots: list[str] = field(default_factory=list)
@@ -115,9 +116,14 @@ class LocalCluster:
                     "env_vars": {"WEENV_HOME": self.homes[i], "WEENV_CGROUP_ROOT": self.cgroup_roots[i],
                                  "WEENV_AUTOSTART": "0"}}
 
+        head = {**node_args(0), "include_dashboard": False}
+        if self.ray_client_port is not None:
+            from ._cluster import require_ray_client
+
+            require_ray_client("LocalCluster(ray_client_port=...)")
+            head["ray_client_server_port"] = self.ray_client_port  # on node_ip_address: 127.0.0.1
         try:
-            self.ray_cluster = RayCluster(initialize_head=True,
-                                          head_node_args={**node_args(0), "include_dashboard": False})
+            self.ray_cluster = RayCluster(initialize_head=True, head_node_args=head)
             for i in range(1, self.nodes):
                 self.ray_cluster.add_node(**node_args(i))
             ray.init(address=self.ray_cluster.address, _node_ip_address="127.0.0.1", namespace="weenv",
