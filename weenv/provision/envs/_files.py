@@ -26,9 +26,13 @@ import secrets
 import shutil
 import stat
 from collections.abc import Iterable
+from typing import Any
+
+import msgspec
 
 from ... import _wire as wire
 from .._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
+from ..runtime._idmap import IdMap
 from ..runtime._ocispec import User, parse_user
 
 SYS_OPENAT2 = 437
@@ -477,3 +481,41 @@ def resolve_user(rootfs: RootFS | str, spec: str | int | None) -> User:
     finally:
         if owned:
             fs.close()
+
+
+def file_op(root: str, op: str, path: str, *, data: bytes = b"", mode: int = 0o644, user: str | None = None,
+            recursive: bool = False, max_bytes: int | None = None, idmap: IdMap | None = None) -> Any:
+    """One file operation of the daemon API on the rootfs ``root``: read | write | list | stat | mkdir |
+    remove, as ``user`` (None: root). ``idmap``: the env runs in a user namespace over that host id
+    range; files are written owned by the env's ids as the host has them, and owners are reported as
+    the env sees them. Blocks (a worker thread's call)."""
+
+    def env_ids(info: Any) -> Any:  # owners as the env sees them
+        if idmap is None:
+            return info
+        return msgspec.structs.replace(info, uid=idmap.env(info.uid), gid=idmap.env(info.gid))
+
+    who = resolve_user(root, user) if user else None
+    uid, gid = (who.uid, who.gid) if who else (0, 0)
+    if idmap is not None:  # written on the host: owned by the env's ids as the host has them
+        uid, gid = idmap.host(uid), idmap.host(gid)
+    fs = RootFS(root, uid=uid, gid=gid)
+    try:
+        if op == "read":
+            return fs.read(path, max_bytes=max_bytes) if max_bytes else fs.read(path)
+        if op == "write":
+            fs.write(path, data, mode=mode, make_parents=True)
+            return None
+        if op == "list":
+            return [env_ids(i) for i in fs.list(path)]
+        if op == "stat":
+            return env_ids(fs.stat(path))
+        if op == "mkdir":
+            fs.mkdir(path, parents=True, exist_ok=True, mode=mode if mode != 0o644 else 0o755)
+            return None
+        if op == "remove":
+            fs.remove(path, recursive=recursive)
+            return None
+    finally:
+        fs.close()
+    raise ValueError(f"unknown file operation {op!r}")

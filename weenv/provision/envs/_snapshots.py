@@ -4,19 +4,27 @@ A snapshot is ``lock`` (the source env's plan lock) plus ``layers`` (sealed uppe
 a snapshot of an env that itself started from a snapshot stacks one more layer). Records live in
 ``$WEENV_HOME/snapshots/<id>.json``; the layer blobs live in the embedded store, and are deleted
 only when no snapshot, running env or published tag references them.
+
+:class:`SnapshotTrees`: the layers committed on this node are also kept as plain directories (a
+copy of the sealed upper, ``$WEENV_HOME/snapshot-trees/<digest>/``): envs from the snapshot stack
+them as overlay lowers directly, not through FUSE.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import trio
 
 from ..._atomic import atomic_write
 from .._errors import EnvError
+from ._trees import LayerTrees
 
 
 class SnapshotNotFoundError(EnvError, LookupError):
@@ -90,3 +98,57 @@ class SnapshotStore:
         rec = self.get(snap_id)
         os.unlink(self._path(snap_id))
         return rec
+
+
+class SnapshotTrees:
+    """The snapshot trees under ``root``. Paths in :attr:`in_progress` (a commit's temporary copy
+    and blob) are left alone by :meth:`gc`; ``spawn`` removes a discarded tree in the background
+    (False: no background work runs, it is removed at once)."""
+
+    def __init__(self, root: str, *, spawn: Callable[..., bool]):
+        self.root = root
+        self.in_progress: set[str] = set()
+        self._spawn = spawn
+        os.makedirs(root, mode=0o700, exist_ok=True)
+
+    def path(self, digest: str) -> str:
+        """Where a snapshot layer made on this node is kept as a directory (it may not exist)."""
+        return os.path.join(self.root, LayerTrees.key(digest))
+
+    def temp_path(self, env_id: str) -> str:
+        """A new name for a commit's copy of the upper, until it is installed."""
+        return os.path.join(self.root, f".commit-{env_id}-{secrets.token_hex(4)}")
+
+    @staticmethod
+    def install(tmp: str, final: str) -> bool:
+        """Move a copied upper into place as the tree of its layer (one already there wins)."""
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isdir(final):
+                return False
+            shutil.rmtree(tmp, ignore_errors=True)
+        return True
+
+    def discard(self, path: str) -> None:
+        """Take a tree out of use at once (a rename); its files go in a worker thread, off the loop
+        (a big tree takes seconds)."""
+        trash = os.path.join(self.root, f".trash-{secrets.token_hex(6)}")
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return
+        if not self._spawn(trio.to_thread.run_sync, shutil.rmtree, trash, True):
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def gc(self, keep: set[str]) -> list[str]:
+        """Remove the trees not in ``keep`` (a snapshot deleted while its envs ran, a commit or a
+        removal cut short); names of the trees removed."""
+        removed = []
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if path not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+                if not name.startswith("."):
+                    removed.append(name)
+        return removed

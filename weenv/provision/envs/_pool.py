@@ -1,0 +1,130 @@
+"""The warm pool: envs started ahead of time and handed out by the next create of their lock.
+
+After a create for a lock, the pool keeps ``size`` more envs of that lock started and idle (status
+``pooled``, not listed), refilled one at a time in the background. Pools of locks nobody asked for
+within ``idle_s`` are dropped by :meth:`WarmPool.janitor`, and pooled envs make way for real ones
+when admission is short (:meth:`WarmPool.evict_one`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from ...envlet import EnvletError
+from ...plan import Lock, plan_to_builtins
+from .._errors import ProvisionError
+from ._state import EnvRecord
+
+log = logging.getLogger("weenv.daemon")
+
+
+def pool_key(lock: Lock) -> str:
+    """Envs are interchangeable when their locks are equal but for the TTL (it starts at hand-out)."""
+    data = plan_to_builtins(lock)
+    data.pop("ttl_s", None)
+    return json.dumps(data, sort_keys=True)
+
+
+class WarmPool:
+    """The node's pools, one per lock. ``start`` starts a pooled env of a lock, ``kill`` kills one,
+    ``spawn`` runs a refill in the background (False: no background work runs, no refill)."""
+
+    def __init__(self, *, size: int, idle_s: float, envs: dict[str, EnvRecord],
+                 start: Callable[[Lock], Awaitable[EnvRecord]], kill: Callable[[str], Awaitable[None]],
+                 spawn: Callable[..., bool]):
+        self.size = size  # envs kept started per lock (0: no warm pool)
+        self.idle_s = idle_s
+        self.starting: set[str] = set()  # envs being started for a pool (not listed)
+        self._envs = envs
+        self._start = start
+        self._kill = kill
+        self._spawn = spawn
+        self._pools: dict[str, list[str]] = {}  # pool key -> ids of its pooled envs
+        self._used: dict[str, float] = {}  # pool key -> monotonic time of the last create of its lock
+        self._refilling: set[str] = set()
+
+    def take(self, lock: Lock) -> EnvRecord | None:
+        """A pooled env of ``lock``, now running (None: the pool is empty); either way the lock's
+        pool refills in the background."""
+        key = pool_key(lock)
+        self._used[key] = time.monotonic()
+        taken = self._take(key)
+        self._refill_later(key, lock)
+        return taken
+
+    def _take(self, key: str) -> EnvRecord | None:
+        ids = self._pools.get(key)
+        while ids:
+            rec = self._envs.get(ids.pop())
+            if rec is not None and rec.status == "pooled":
+                rec.status = "running"
+                rec.created_s = time.time()
+                return rec
+        return None
+
+    def forget(self, env_id: str) -> None:
+        """``env_id`` is going away: no pool hands it out."""
+        for ids in self._pools.values():
+            if env_id in ids:
+                ids.remove(env_id)
+
+    def _refill_later(self, key: str, lock: Lock) -> None:
+        if key in self._refilling:
+            return
+        if self._spawn(self._refill, key, lock):
+            self._refilling.add(key)
+
+    async def _refill(self, key: str, lock: Lock) -> None:
+        """Keep ``size`` envs of this lock started and idle, one at a time, in the background."""
+        try:
+            while len(self._pools.get(key, ())) < self.size and key in self._used:
+                rec = await self._start(lock)
+                if key not in self._used:  # dropped (idle, or gc) while this one was starting
+                    await self._kill(rec.id)
+                    break
+                self._pools.setdefault(key, []).append(rec.id)
+        except (ProvisionError, EnvletError) as e:
+            log.info("warm pool: no refill for %s: %s", lock.name, e)
+        finally:
+            self._refilling.discard(key)
+
+    def _pooled(self, env_id: str) -> bool:
+        return env_id in self._envs and self._envs[env_id].status == "pooled"
+
+    async def evict_one(self) -> bool:
+        """Kill one pooled env (the oldest of the first pool that has one); False: none was left."""
+        for ids in self._pools.values():
+            while ids:
+                env_id = ids.pop(0)
+                if self._pooled(env_id):
+                    await self._kill(env_id)
+                    return True
+        return False
+
+    async def drain(self) -> list[str]:
+        """Kill every pooled env and forget the pools (gc, shutdown of the pool)."""
+        self._used.clear()
+        killed = []
+        for key in list(self._pools):
+            for env_id in self._pools.pop(key, []):
+                if self._pooled(env_id):
+                    await self._kill(env_id)
+                    killed.append(env_id)
+        return killed
+
+    async def janitor(self, idle_s: float, interval_s: float = 5.0) -> None:
+        """Drop the pools of locks nobody asked for lately."""
+        while True:
+            await trio.sleep(interval_s)
+            now = time.monotonic()
+            for key, last in list(self._used.items()):
+                if now - last > idle_s:
+                    del self._used[key]
+                    for env_id in self._pools.pop(key, []):
+                        if self._pooled(env_id):
+                            await self._kill(env_id)
