@@ -33,7 +33,16 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from weenv.cluster import Capacity, ClusterView, LayerHeld, NodeReport, PlacementRequest, place_group, rank  # noqa: E402
+from weenv.cluster import (  # noqa: E402
+    Capacity,
+    ClusterView,
+    LayerHeld,
+    NodeReport,
+    PlacementRequest,
+    place_group,
+    rank,
+    with_pending,
+)
 
 from ._util import Report, arg_parser, median, percentile  # noqa: E402
 
@@ -93,7 +102,7 @@ def simulate(policy: str, arrivals: list[int], plans: list[list[tuple[str, int]]
                                                     for d, s in caches[i].items()], capacity=Capacity(
             cpu_cores=8.0, cpu_committed_cores=0.25 * len(live[i]), memory_total_bytes=9 * GiB,
             memory_guaranteed_bytes=8 * GiB, memory_committed_bytes=256 * MiB * len(live[i]),
-            memory_headroom_bytes=8 * GiB - 256 * MiB * len(live[i]))) for i in range(nodes)]
+            memory_headroom_bytes=8 * GiB - 256 * MiB * len(live[i]), envs=len(live[i]))) for i in range(nodes)]
         if policy == "round-robin":
             i, rr = rr % nodes, rr + 1
         else:
@@ -106,6 +115,23 @@ def simulate(policy: str, arrivals: list[int], plans: list[list[tuple[str, int]]
                 caches[i][d] = s
         live[i].append((p, t + lifetime))
     return pulled
+
+
+def burst_model(n: int, *, pending: bool, nodes: int = 3) -> dict[str, int]:
+    """Where ``n`` small envs created at once land on ``nodes`` nodes that all hold the plan: every
+    create is placed before any report shows the others; ``pending``: the cluster counts the creates
+    it has in flight (weenv.cluster.with_pending), as it does; without, as before it did."""
+    layers = ((digest(2000), 150 * MiB), (digest(2001), 50 * MiB))
+    held = [LayerHeld(digest=d, size_bytes=s, where="envlet") for d, s in layers]
+    reports = [NodeReport(node=f"n{i}", layers=held, capacity=Capacity(
+        cpu_cores=2.0, memory_total_bytes=24 * GiB, memory_guaranteed_bytes=23 * GiB,
+        memory_headroom_bytes=20 * GiB)) for i in range(nodes)]
+    req = PlacementRequest(layers=layers, cpu_min_cores=0.02, memory_min_bytes=16 * MiB, memory_max_bytes=128 * MiB)
+    placed: dict[str, list[PlacementRequest]] = {r.node: [] for r in reports}
+    for _ in range(n):
+        view = ClusterView([with_pending(r, placed[r.node]) if pending else r for r in reports])
+        placed[rank(view, req, limit=1)[0].node].append(req)
+    return {k: len(v) for k, v in placed.items()}
 
 
 def _plans(host: str, work: Path, task_bytes: int) -> list[dict]:
@@ -189,6 +215,22 @@ def _gateway_overhead(cluster, env_id: str, node_api: str) -> tuple[list[float],
     return via_gw, direct
 
 
+def _burst(cluster, plan: dict, names: list[str], n: int) -> dict[str, int]:
+    """``n`` creates of one small plan at once (threads, as slime's rollout makes them), once every
+    node holds the plan (one env of it started and killed on each): where they land."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for name in names:
+        cluster.create(plan, node=name).kill()
+    cluster.refresh()
+    with ThreadPoolExecutor(n) as pool:
+        envs = list(pool.map(lambda _: cluster.create(plan), range(n)))
+    spread = collections.Counter(e.node for e in envs)
+    for e in envs:
+        e.kill()
+    return {name: spread.get(name, 0) for name in names}
+
+
 def _live_run(policy: str, plans: list[dict], arrivals: list[int], lifetime: int) -> dict:
     import weenv.cluster as wc
 
@@ -228,6 +270,8 @@ def _live_run(policy: str, plans: list[dict], arrivals: list[int], lifetime: int
                 out["gateway_exec_s"], out["node_api_exec_s"] = _gateway_overhead(cluster, env.id, report.node_api)
             while alive:
                 alive.popleft().kill()
+            if policy == "cache-aware":
+                out["burst"] = _burst(cluster, plans[0], names, 12)
             cluster.refresh()
             out["bytes"] = sum(cluster.report(n).store_bytes_fetched for n in names)
         finally:
@@ -273,6 +317,10 @@ def live(report: Report, quick: bool) -> None:
     report.add("live: gateway overhead per exec (weenv cluster serve vs the node's daemon API)", gw - node, "ms",
                goal="≤ 2 ms", ok=gw - node <= 2.0, note=f"{gw:.2f} ms via the gateway vs {node:.2f} ms direct")
     report.notes.append(f"envs per node: cache-aware {dict(aware['nodes'])}, round-robin {dict(rr['nodes'])}")
+    burst = sorted(aware["burst"].values(), reverse=True)
+    report.add("live: a burst of 12 small envs at once on 3 nodes holding the plan, most on one node",
+               burst[0], "envs", goal="spread (≤ 6 on one node)", ok=burst[0] <= 6,
+               note="envs per node " + "/".join(map(str, burst)))
 
 
 def main() -> None:
@@ -296,6 +344,11 @@ def main() -> None:
     report.add("registry bytes pulled, 96 envs of 4 plans on 3 nodes (model)", aware / MiB, "MiB",
                baseline=rr / MiB, baseline_label="round-robin", goal="≤ 0.5x round-robin", ok=aware <= 0.5 * rr)
     report.notes.append("the 'model' row counts a layer's bytes once per node that uses it")
+    for n in (12, 24):
+        now, before = burst_model(n, pending=True), burst_model(n, pending=False)
+        report.add(f"a burst of {n} small envs on 3 equally cached nodes (model), most on one node",
+                   max(now.values()), "envs", baseline=max(before.values()), baseline_label="without pending creates",
+                   note="/".join(map(str, now.values())) + " vs " + "/".join(map(str, before.values())))
     live(report, args.quick)
     report.print()
     report.save()

@@ -116,16 +116,17 @@ def test_order_load_band_then_cache_bytes_then_home_then_least_loaded(cluster, r
     if not ranked:
         return
     by_name = {n.name: n for n in cluster}
-    for c in ranked:  # load: the larger of the committed and in-use shares, plus 1 % per env
+    for c in ranked:  # busy: the larger of the committed and in-use shares; load: plus 1 % per env
         n = by_name[c.node]
         cores = n.report().capacity.cpu_cores
         assert c.envs == len(n.envs)
-        assert c.load == pytest.approx(max(c.committed_share, n.used / cores) + 0.01 * len(n.envs))
-    least = min(c.load for c in ranked)
-    in_band = [c for c in ranked if c.load <= least + band + 1e-9]
+        assert c.busy == pytest.approx(max(c.committed_share, n.used / cores))
+        assert c.load == pytest.approx(c.busy + 0.01 * len(n.envs))
+    least = min(c.busy for c in ranked)
+    in_band = [c for c in ranked if c.busy <= least + band + 1e-9]
     rest = ranked[len(in_band):]
-    # the nodes within the band of the least loaded come first, and only they compete on cache
-    assert all(c.load > least + band + 1e-9 for c in rest)
+    # the nodes within the band of the least busy come first, and only they compete on cache
+    assert all(c.busy > least + band + 1e-9 for c in rest)
     keys = [(-c.cached_bytes if (c.cached_bytes or c.home) else 1, not c.home, c.load, c.node)
             for c in in_band]
     assert keys == sorted(keys)
@@ -260,12 +261,12 @@ def test_env_count_and_cpu_in_use_break_ties_of_committed_share():
     assert ranked[2].load == pytest.approx(0.8 + 0.02) and ranked[0].committed_share == pytest.approx(0.1)
 
 
-def test_cache_affinity_still_wins_over_env_count_within_the_band():
-    nodes = [node("a", envs=0), node("b", layers=HELD, envs=10), node("c", layers=HELD[:1], envs=0)]
-    assert [c.node for c in place(nodes, SMALL)] == ["b", "c", "a"]  # b: 10 % loaded, all of the plan
-    crowded = [node("a", envs=0), node("b", layers=HELD, envs=30)]  # 30 % ahead: past the band
-    assert [c.node for c in place(crowded, SMALL)] == ["a", "b"]
-    assert [c.node for c in place(crowded, SMALL, band=1.0)] == ["b", "a"]
+def test_cache_affinity_still_wins_over_env_count_and_cpu_in_use_only_past_the_band():
+    nodes = [node("a", envs=0), node("b", layers=HELD, envs=40), node("c", layers=HELD[:1], envs=0)]
+    assert [c.node for c in place(nodes, SMALL)] == ["b", "c", "a"]  # the env count is no load band
+    busy = [node("a"), node("b", layers=HELD, envs=4, used=0.8)]  # its envs use 40 % of it: past the band
+    assert [c.node for c in place(busy, SMALL)] == ["a", "b"]
+    assert [c.node for c in place(busy, SMALL, band=1.0)] == ["b", "a"]
 
 
 def test_pending_envs_count_their_mins_and_layers():

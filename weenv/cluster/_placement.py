@@ -7,20 +7,21 @@ Rules, in order (docs/cluster.md):
    too, the min fits in today's headroom, the sum of CPU mins fits in cores x overcommit. A node
    that is not accepting (daemon or envlet down, lost, draining) takes nothing. A node-local
    snapshot starts only on its home node.
-2. The load band: only nodes whose load is within ``band`` (default 0.25, i.e. 25 % of capacity;
-   ``$WEENV_PLACEMENT_BAND``) of the least loaded admitting node compete on rules 3-4; the others
-   follow, least loaded first. Cache affinity wins among comparably loaded nodes but never piles
+2. The load band: only nodes whose busy share is within ``band`` (default 0.25, i.e. 25 % of
+   capacity; ``$WEENV_PLACEMENT_BAND``) of the least busy admitting node compete on rules 3-4; the
+   others follow, least loaded first. Cache affinity wins among comparably busy nodes but never piles
    every env on the one node that has the plan.
 3. Most of the plan's bytes already on the node (envlet, layer trees, snapshot layers, layers seen).
 4. The snapshot's home node, for forks and envs from a snapshot.
 5. The least loaded node.
 6. The node name, so that a decision is reproducible.
 
-A node's load is the larger of its committed share (its CPU-min and memory-min shares) and the
-share of its CPU its envs use now, plus ``ENV_WEIGHT`` (1 %) per env it runs: an env costs a node
-more than its minimums (its processes, mounts, the daemon's work), so a node holding ten envs with
-tiny minimums counts as busier than an empty one, and a burst of small envs spreads over nodes that
-hold the plan equally instead of piling on the first name.
+A node's busy share is the larger of its committed share (its CPU-min and memory-min shares) and
+the share of its CPU its envs use now; its load adds ``ENV_WEIGHT`` (1 %) per env it runs: an env
+costs a node more than its minimums (its processes, mounts, the daemon's work), so among nodes that
+hold a plan equally, one with ten envs of tiny minimums comes after an empty one, and a burst of
+small envs spreads over them instead of piling on the first name. The env count is left out of the
+band, so it never outweighs cache affinity.
 
 A group (n envs of one request, e.g. the forks of one snapshot) fills the best node up to what
 it admits, then the next: it spreads only when one node cannot take them all.
@@ -45,7 +46,7 @@ from ._report import LayerHeld, NodeReport
 
 _EPS = 1e-9
 DEFAULT_BAND = 0.25
-ENV_WEIGHT = 0.01  # each env adds 1 % of a node to its load (rules 2 and 5)
+ENV_WEIGHT = 0.01  # each env adds 1 % of a node to its load (rule 5)
 
 
 def default_band() -> float:
@@ -77,7 +78,8 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
     cached_bytes: int
     home: bool
     committed_share: float  # the larger of the CPU-min and memory-min shares
-    load: float = 0.0  # what rules 2 and 5 compare: max(committed share, CPU in use share) + ENV_WEIGHT x envs
+    busy: float = 0.0  # what rule 2 compares: max(committed share, CPU in use share)
+    load: float = 0.0  # what rule 5 compares: busy + ENV_WEIGHT x envs
     envs: int = 0
 
 
@@ -85,7 +87,7 @@ class _Node:
     """One node's numbers, unpacked from its report once per view."""
 
     __slots__ = ("name", "accepting", "cpu_cap", "cpu_committed", "mem_free", "headroom", "ceiling", "share",
-                 "load", "envs")
+                 "busy", "load", "envs")
 
     def __init__(self, r: NodeReport):
         c = r.capacity
@@ -101,7 +103,8 @@ class _Node:
         self.share = max(cpu_share, mem_share)
         used_share = max(c.cpu_used_cores, 0.0) / c.cpu_cores if c.cpu_cores > 0 else 1.0
         self.envs = c.envs
-        self.load = max(self.share, used_share) + ENV_WEIGHT * max(c.envs, 0)
+        self.busy = max(self.share, used_share)
+        self.load = self.busy + ENV_WEIGHT * max(c.envs, 0)
 
 
 class ClusterView:
@@ -188,12 +191,11 @@ def _ranked(view: ClusterView, req: PlacementRequest,
                   and mem_min <= n.mem_free and mem_min <= n.headroom and n.cpu_committed + cpu <= n.cpu_cap]
     if not candidates or (not cached and home < 0):
         return candidates, cached, home
-    # the load band (rule 2): candidates are in load order, so the band is a prefix of them
-    limit = nodes[candidates[0]].load + (default_band() if band is None else band) + _EPS
-    k = 0
-    while k < len(candidates) and nodes[candidates[k]].load <= limit:
-        k += 1
-    in_band, rest = candidates[:k], candidates[k:]
+    # the load band (rule 2), on the busy share; both parts stay in load order
+    limit = min(nodes[i].busy for i in candidates) + (default_band() if band is None else band) + _EPS
+    in_band, rest = [], []
+    for i in candidates:
+        (in_band if nodes[i].busy <= limit else rest).append(i)
     boosted = cached.keys() | {home}
     front = sorted((i for i in in_band if i in boosted),
                    key=lambda i: (-cached.get(i, 0), i != home, nodes[i].load, nodes[i].name))
@@ -210,7 +212,7 @@ def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None,
         del order[limit:]
     nodes = view.nodes
     return [Choice(node=nodes[i].name, cached_bytes=cached.get(i, 0), home=i == home,
-                   committed_share=nodes[i].share, load=nodes[i].load, envs=nodes[i].envs) for i in order]
+                   committed_share=nodes[i].share, busy=nodes[i].busy, load=nodes[i].load, envs=nodes[i].envs) for i in order]
 
 
 def _fits(n: _Node, req: PlacementRequest, want: int) -> int:
