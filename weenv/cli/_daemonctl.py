@@ -9,12 +9,12 @@ unmounts, when no env is left: always with ``--kill-envs``. SIGTERM to the daemo
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import click
 
 from .. import _home
+from .._proc import wait_gone
 from ._common import print_json, stdout
 from ._env import daemon_cmd
 
@@ -35,15 +35,6 @@ def _env_dirs() -> list[str]:
         return sorted(os.listdir(_home.envs_dir()))
     except OSError:
         return []
-
-
-def _gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie our own process has not reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _ago(seconds: float) -> str:
@@ -124,12 +115,9 @@ def stop_cmd(kill_envs: bool, timeout_s: float) -> None:
             raise click.ClickException(f"the daemon refused to stop: {e}") from None
         except DaemonUnavailableError:
             pass  # it went away before its answer reached us: what we asked for
-    deadline = time.monotonic() + timeout_s
-    while not _gone(info["pid"]):
-        if time.monotonic() > deadline:
-            raise click.ClickException(f"the daemon (pid {info['pid']}) still runs after {timeout_s:g} s; "
-                                       f"see {_home.path('daemon.log')}")
-        time.sleep(0.05)
+    if not wait_gone(info["pid"], timeout_s):
+        raise click.ClickException(f"the daemon (pid {info['pid']}) still runs after {timeout_s:g} s; "
+                                   f"see {_home.path('daemon.log')}")
     stdout.print(f"daemon stopped (pid {info['pid']})")
     if kill_envs and envs:
         stdout.print(f"killed {len(envs)} env{'' if len(envs) == 1 else 's'}")

@@ -18,29 +18,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._proc import wait_gone
 from ._errors import ClusterError
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie nobody reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _gone(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def stop_node(home: str, cgroup_root: str) -> list[str]:
@@ -63,12 +45,12 @@ def stop_node(home: str, cgroup_root: str) -> list[str]:
             c._request("POST", "/v1/daemon/stop", json={"kill_envs": True})
     except Exception:
         pass
-    if pid is not None and not _wait_gone(pid, 20.0):
+    if pid is not None and not wait_gone(pid, 20.0):
         os.kill(pid, signal.SIGKILL)
     try:
         epid = int(EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"])
         os.kill(epid, signal.SIGTERM)
-        _wait_gone(epid, 10.0)
+        wait_gone(epid, 10.0)
     except Exception:
         pass
     subprocess.run(["fusermount3", "-u", "-z", os.path.join(home, "envlet", "mnt")], capture_output=True)

@@ -15,6 +15,7 @@ import msgspec
 import trio
 
 from .. import __version__, _home
+from .._proc import gone, wait_gone
 from ..envlet import EnvletClient, EnvletError, EnvletProcess
 from .runtime._agent import ensure_agent
 from .envs import EnvManager
@@ -26,19 +27,6 @@ from .runtime._gvisor import node_runtime
 from .cgroups import CgroupBackend, detect_backend
 
 log = logging.getLogger("weenv.daemon")
-
-
-def _alive(pid: int) -> bool:
-    """A zombie nobody reaps (the envlet is not always our child) is gone."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 class DaemonConfig(msgspec.Struct, kw_only=True):
@@ -229,7 +217,7 @@ class Daemon:
     def _envlet_silent(self) -> bool:
         """True while the last envlet is alive and not silent for long enough to be killed."""
         pid = self._envlet_pid
-        if pid is None or not _alive(pid):
+        if pid is None or gone(pid, reap=True):  # reaped if ours (the envlet is not always our child)
             self._envlet_pid = self._envlet_silent_since = None
             return False
         now = time.monotonic()
@@ -244,9 +232,7 @@ class Daemon:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        deadline = now + 5
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_gone(pid, 5.0, reap=True, interval_s=0.02)
         self._envlet_pid = self._envlet_silent_since = None
         return False
 
@@ -344,14 +330,10 @@ class Daemon:
         pid, mountpoint = int(info["pid"]), info.get("mountpoint") or ""
         try:
             os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if _alive(pid):
+            if not wait_gone(pid, timeout_s, reap=True, interval_s=0.02):
                 log.warning("the envlet (pid %d) did not stop within %g s: killing it", pid, timeout_s)
                 os.kill(pid, signal.SIGKILL)
-                while _alive(pid) and time.monotonic() < deadline + 5:
-                    time.sleep(0.02)
+                wait_gone(pid, 5.0, reap=True, interval_s=0.02)
         except ProcessLookupError:
             pass
         if mountpoint:
