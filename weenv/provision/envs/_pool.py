@@ -32,11 +32,12 @@ def pool_key(lock: Lock) -> str:
 
 class WarmPool:
     """The node's pools, one per lock. ``start`` starts a pooled env of a lock, ``kill`` kills one,
-    ``spawn`` runs a refill in the background (False: no background work runs, no refill)."""
+    ``spawn`` runs a refill in the background (False: no background work runs, no refill);
+    ``clock`` tells the monotonic time idleness is measured on."""
 
     def __init__(self, *, size: int, idle_s: float, envs: dict[str, EnvRecord],
                  start: Callable[[Lock], Awaitable[EnvRecord]], kill: Callable[[str], Awaitable[None]],
-                 spawn: Callable[..., bool]):
+                 spawn: Callable[..., bool], clock: Callable[[], float] = time.monotonic):
         self.size = size  # envs kept started per lock (0: no warm pool)
         self.idle_s = idle_s
         self.starting: set[str] = set()  # envs being started for a pool (not listed)
@@ -44,6 +45,7 @@ class WarmPool:
         self._start = start
         self._kill = kill
         self._spawn = spawn
+        self._clock = clock
         self._pools: dict[str, list[str]] = {}  # pool key -> ids of its pooled envs
         self._used: dict[str, float] = {}  # pool key -> monotonic time of the last create of its lock
         self._refilling: set[str] = set()
@@ -52,7 +54,7 @@ class WarmPool:
         """A pooled env of ``lock``, now running (None: the pool is empty); either way the lock's
         pool refills in the background."""
         key = pool_key(lock)
-        self._used[key] = time.monotonic()
+        self._used[key] = self._clock()
         taken = self._take(key)
         self._refill_later(key, lock)
         return taken
@@ -121,7 +123,7 @@ class WarmPool:
         """Drop the pools of locks nobody asked for lately."""
         while True:
             await trio.sleep(interval_s)
-            now = time.monotonic()
+            now = self._clock()
             for key, last in list(self._used.items()):
                 if now - last > idle_s:
                     del self._used[key]

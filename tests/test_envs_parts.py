@@ -1,0 +1,131 @@
+"""The env manager's parts on their own, over fakes (weenv/provision/envs/_pool.py, _ttl.py): the warm
+pool's hand-out, refill, eviction and drain; TTL expiry on monotonic time. The manager over real
+parts is tests/test_daemon.py (warm pool, TTL) and tests/test_snapshots.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import trio
+import trio.testing
+
+from weenv.plan import Lock
+from weenv.provision.envs import EnvRecord
+from weenv.provision.envs import _ttl
+from weenv.provision.envs._pool import WarmPool, pool_key
+
+
+def _lock(name: str = "x", ttl_s: float | None = None) -> Lock:
+    return Lock(lock_version=1, name=name, ttl_s=ttl_s)
+
+
+class FakeEnvs:
+    """An env table whose ``start`` makes pooled records and whose ``kill`` drops them, both recorded."""
+
+    def __init__(self) -> None:
+        self.envs: dict[str, EnvRecord] = {}
+        self.started: list[str] = []
+        self.killed: list[str] = []
+        self._ids = itertools.count(1)
+
+    async def start(self, lock: Lock) -> EnvRecord:
+        await trio.sleep(1)  # a start takes time: refills are one at a time
+        rec = EnvRecord(id=f"{lock.name}-{next(self._ids)}", name=lock.name, status="pooled")
+        self.envs[rec.id] = rec
+        self.started.append(rec.id)
+        return rec
+
+    async def kill(self, env_id: str) -> None:
+        self.envs.pop(env_id, None)
+        self.killed.append(env_id)
+
+
+def test_pool_key_ignores_the_ttl_only() -> None:
+    assert pool_key(_lock(ttl_s=5)) == pool_key(_lock(ttl_s=None)) != pool_key(_lock("y"))
+
+
+def test_the_pool_refills_in_the_background_and_hands_out_started_envs() -> None:
+    fake = FakeEnvs()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            def spawn(fn, *args) -> bool:  # type: ignore[no-untyped-def]
+                nursery.start_soon(fn, *args)
+                return True
+
+            pool = WarmPool(size=2, idle_s=60, envs=fake.envs, start=fake.start, kill=fake.kill, spawn=spawn)
+            assert pool.take(_lock()) is None  # a miss starts the pool
+            await trio.sleep(10)
+            assert fake.started == ["x-1", "x-2"]  # filled to its size, no more
+            rec = pool.take(_lock(ttl_s=30))  # an equal lock but for the TTL
+            assert rec is not None and rec.id == "x-2" and rec.status == "running"
+            await trio.sleep(10)
+            assert fake.started == ["x-1", "x-2", "x-3"]  # refilled
+            pool.forget("x-1")  # killed meanwhile: never handed out
+            assert pool.take(_lock()).id == "x-3"  # type: ignore[union-attr]
+            await trio.sleep(10)
+            assert await pool.evict_one() is True
+            assert await pool.drain() == [fake.started[-1]]
+            assert fake.killed == [fake.started[-2], fake.started[-1]]
+            assert await pool.evict_one() is False
+            await trio.sleep(10)
+            assert len(fake.started) == 5  # a drained pool does not refill
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_without_background_work_the_pool_stays_empty() -> None:
+    fake = FakeEnvs()
+    pool = WarmPool(size=2, idle_s=60, envs=fake.envs, start=fake.start, kill=fake.kill, spawn=lambda *a: False)
+    assert pool.take(_lock()) is None
+    assert pool.take(_lock()) is None
+    assert fake.started == []
+
+
+def test_the_janitor_drops_pools_nobody_asked_for() -> None:
+    fake = FakeEnvs()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            def spawn(fn, *args) -> bool:  # type: ignore[no-untyped-def]
+                nursery.start_soon(fn, *args)
+                return True
+
+            pool = WarmPool(size=1, idle_s=0.5, envs=fake.envs, start=fake.start, kill=fake.kill, spawn=spawn,
+                            clock=trio.current_time)
+            pool.take(_lock())
+            await trio.sleep(2)
+            assert fake.started == ["x-1"] and fake.killed == []
+            nursery.start_soon(pool.janitor, 0.5, 0.1)
+            await trio.sleep(1)
+            assert fake.killed == ["x-1"]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_ttls_kill_on_monotonic_time_not_the_wall_clock(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    envs = {i: EnvRecord(id=i, name=i, status=s) for i, s in
+            (("short", "running"), ("paused", "paused"), ("long", "running"), ("pooled", "pooled"), ("none", "running"))}
+    killed: list[str] = []
+
+    async def kill(env_id: str) -> None:
+        killed.append(env_id)
+        envs.pop(env_id)
+
+    ttls = _ttl.Ttls(envs=envs, kill=kill)  # type: ignore[arg-type]
+    for env_id, ttl_s in (("short", 0.0), ("paused", 0.0), ("long", 3600.0), ("pooled", 0.0)):
+        ttls.expire_in(envs[env_id], ttl_s)
+    assert envs["long"].expires_s is not None and envs["none"].expires_s is None
+    real_time = _ttl.time.time
+    monkeypatch.setattr(_ttl.time, "time", lambda: real_time() + 7200)  # the wall clock jumps 2 h ahead
+
+    async def main() -> None:
+        with trio.move_on_after(0.5):
+            await ttls.run(interval_s=0.05)
+
+    trio.run(main)
+    assert sorted(killed) == ["paused", "short"]  # "long" still has its hour; pooled envs have no TTL yet
+    ttls.expire_in(envs["long"], None)
+    assert envs["long"].expires_s is None
