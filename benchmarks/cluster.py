@@ -223,6 +223,10 @@ def _burst(cluster, plan: dict, names: list[str], n: int) -> dict[str, int]:
     for name in names:
         cluster.create(plan, node=name).kill()
     cluster.refresh()
+    from weenv.cluster import request_for
+
+    ranked = cluster.rank(request_for(plan))
+    print("burst: ranked before it", [(c.node, c.cached_bytes >> 10, round(c.load, 3)) for c in ranked])
     with ThreadPoolExecutor(n) as pool:
         envs = list(pool.map(lambda _: cluster.create(plan), range(n)))
     spread = collections.Counter(e.node for e in envs)

@@ -131,12 +131,9 @@ def test_order_load_band_then_cache_bytes_then_home_then_least_loaded(cluster, r
             for c in in_band]
     assert keys == sorted(keys)
     assert [(c.load, c.node) for c in rest] == sorted((c.load, c.node) for c in rest)
-    for c in ranked:  # cached bytes are the plan's bytes the node holds, each layer once
-        held = {x.digest: x.size_bytes for x in by_name[c.node].layers}
-        for s in by_name[c.node].snapshots:
-            for d, size in s.layers:
-                held.setdefault(d, size)
-        assert c.cached_bytes == sum(held.get(d, 0) for d in dict.fromkeys(d for d, _ in req.layers))
+    for c in ranked:  # cached bytes: the plan's bytes (its sizes) of the layers the node holds, each once
+        held = {x.digest for x in by_name[c.node].layers} | {d for s in by_name[c.node].snapshots for d, _ in s.layers}
+        assert c.cached_bytes == sum(size for d, size in dict(reversed(req.layers)).items() if d in held)
 
 
 @settings(max_examples=300, deadline=None)
@@ -267,6 +264,14 @@ def test_cache_affinity_still_wins_over_env_count_and_cpu_in_use_only_past_the_b
     busy = [node("a"), node("b", layers=HELD, envs=4, used=0.8)]  # its envs use 40 % of it: past the band
     assert [c.node for c in place(busy, SMALL)] == ["a", "b"]
     assert [c.node for c in place(busy, SMALL, band=1.0)] == ["b", "a"]
+
+
+def test_nodes_holding_the_same_layers_tie_on_cache_bytes_whatever_size_they_report():
+    # a layer tree's bytes on disk are not its blob's size: the plan's sizes are what is compared
+    trees = [LayerHeld(digest=DIGESTS[0], size_bytes=900 * MiB, where="tree"),
+             LayerHeld(digest=DIGESTS[1], size_bytes=70 * MiB, where="tree")]
+    ranked = place([node("a", layers=trees, envs=3), node("b", layers=HELD), node("c", layers=HELD, envs=1)], SMALL)
+    assert [c.node for c in ranked] == ["b", "c", "a"] and {c.cached_bytes for c in ranked} == {350 * MiB}
 
 
 def test_pending_envs_count_their_mins_and_layers():

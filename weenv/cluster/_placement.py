@@ -11,7 +11,8 @@ Rules, in order (docs/cluster.md):
    capacity; ``$WEENV_PLACEMENT_BAND``) of the least busy admitting node compete on rules 3-4; the
    others follow, least loaded first. Cache affinity wins among comparably busy nodes but never piles
    every env on the one node that has the plan.
-3. Most of the plan's bytes already on the node (envlet, layer trees, snapshot layers, layers seen).
+3. Most of the plan's bytes already on the node (envlet, layer trees, snapshot layers, layers seen),
+   each held layer counted with the plan's size for it.
 4. The snapshot's home node, for forks and envs from a snapshot.
 5. The least loaded node.
 6. The node name, so that a decision is reproducible.
@@ -165,13 +166,16 @@ def _admits(n: _Node, cpu: float, mem_min: int, mem_max: int) -> bool:
 
 
 def _cached(view: ClusterView, req: PlacementRequest) -> dict[int, int]:
+    """The plan's bytes each node holds, counted with the plan's own layer sizes: nodes report a
+    layer's size as they hold it (a layer tree's bytes on disk, the envlet's blob size), and those
+    differ from node to node, so two nodes holding the same layers would not tie on rule 3."""
     cached: dict[int, int] = {}
     seen: set[str] = set()
-    for digest, _ in req.layers:
+    for digest, size in req.layers:
         if digest in seen:
             continue
         seen.add(digest)
-        for i, size in view.layer_index.get(digest, ()):
+        for i, _ in view.layer_index.get(digest, ()):
             cached[i] = cached.get(i, 0) + size
     return cached
 
