@@ -274,10 +274,10 @@ def _live_run(policy: str, plans: list[dict], arrivals: list[int], lifetime: int
                 out["gateway_exec_s"], out["node_api_exec_s"] = _gateway_overhead(cluster, env.id, report.node_api)
             while alive:
                 alive.popleft().kill()
-            if policy == "cache-aware":
-                out["burst"] = _burst(cluster, plans[0], names, 12)
             cluster.refresh()
             out["bytes"] = sum(cluster.report(n).store_bytes_fetched for n in names)
+            if policy == "cache-aware":  # after the bytes count: it starts the plan on every node
+                out["burst"] = _burst(cluster, plans[0], names, 12)
         finally:
             cluster.close()
     return out
