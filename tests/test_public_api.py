@@ -73,7 +73,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "LayerHeld", "LocalCluster", "NodeAgent", "NodeClient", "NodeEntry", "NodeLostError", "NodeReport",
         "NodeState", "PendingCall", "PlacementError", "PlacementRequest", "Reconciler", "SnapshotHeld",
         "UnknownEnvError", "agent_class", "agent_name", "capacity_from_top", "connect", "load_published",
-        "node_name_for", "node_of", "place", "place_group", "rank", "request_for", "stop_node"
+        "node_name_for", "node_of", "place", "place_group", "rank", "request_for", "stop_node", "with_pending"
     ],
     "weenv.net": [
         "EgressPolicy", "Entry", "PolicyError", "parse_bandwidth", "parse_entry", "parse_policy",
