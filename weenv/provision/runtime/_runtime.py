@@ -608,7 +608,7 @@ class CrunRuntime(Runtime):
             finally:
                 await stream.aclose()
 
-        timed_out = False
+        timed_out = stopped = False
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(pump, proc.stdout, "stdout")
@@ -618,7 +618,7 @@ class CrunRuntime(Runtime):
                 with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as scope:
                     await proc.wait()
                 if scope.cancelled_caught:
-                    timed_out = True
+                    timed_out = stopped = True
                     await self._stop_exec(proc)
                 # Background jobs may hold the pipes open after the command exits; do not wait
                 # for them beyond a short grace.
@@ -627,7 +627,9 @@ class CrunRuntime(Runtime):
                     await eof["stderr"].wait()
                 nursery.cancel_scope.cancel()
         finally:
-            if proc.returncode is None:
+            # Once only: a second round after a timeout's doubled the wait on a frozen env (4 kill
+            # graces where the error below says 2).
+            if proc.returncode is None and not stopped:
                 with trio.CancelScope(shield=True):
                     await self._stop_exec(proc)
             for stream in (proc.stdout, proc.stderr, proc.stdin):
