@@ -209,7 +209,8 @@ class NodeAgent:
             published = self._published()  # what this node pushed to the cluster's store
             snaps = [msgspec.structs.replace(x, ref=published[x.id]) if x.ref is None and x.id in published else x
                      for x in snapshots_from(self._get("/v1/snapshots"))]
-            capacity = capacity_from_top(top, envs=len(envs), live={e.id for e in envs})
+            # the env count placement weighs (rule 5): envs that run or will, not pooled, stopping or failed ones
+            capacity = capacity_from_top(top, envs=sum(e.status in _COUNTED for e in envs), live={e.id for e in envs})
         except (httpx.HTTPError, ValueError, KeyError, ClusterError) as e:
             healthy, problem = False, f"daemon at {self.socket}: {e}"
         try:
@@ -351,6 +352,9 @@ class NodeAgent:
             except httpx.HTTPError as e:
                 return {"node": self.node, "stopped": False, "error": str(e)}
         return {"node": self.node, "stopped": True, "daemon_pid": self.daemon_pid}
+
+
+_COUNTED = frozenset({"creating", "running", "paused"})
 
 
 def _trees(root: str) -> list[tuple[str, int]]:

@@ -300,6 +300,9 @@ class ClusterBackend(Backend):
         import anyio.to_thread
 
         req = await anyio.to_thread.run_sync(self.request_for_body, body)  # a snapshot's detail: an agent call
+        if log.isEnabledFor(logging.INFO):  # what the decision sees (concurrent creates may slip in between)
+            log.info("create: best nodes %s", ", ".join(f"{c.node} (cached {c.cached_bytes >> 20} MiB, load "
+                                                        f"{c.load:.3f}, {c.envs} envs)" for c in self.cluster.rank(req, limit=3)))
         nodes, ticket = self.cluster.place(req, limit=3)
         if ticket is None:
             await anyio.to_thread.run_sync(lambda: place_group(self.cluster._current_view(), req, 1))
