@@ -82,3 +82,24 @@ def test_a_failed_create_stops_counting_and_an_unseen_one_expires(monkeypatch):
     assert [n.envs for n in cluster._current_view().nodes] == [0, 1, 0]
     monkeypatch.setattr(cc, "PENDING_TTL_S", 0.0)
     assert [n.envs for n in cluster._current_view().nodes] == [0, 0, 0] and not cluster._pending
+
+
+def test_an_env_killed_before_any_report_listed_it_stops_counting():
+    cluster, nodes = make_cluster()
+    envs = [cluster.create(LOCK) for _ in range(3)]  # the slow nodes' reports never show them
+    assert len(cluster._pending) == 3
+    envs[0].cluster._forget(envs[0].id)  # what ClusterEnv.kill does once the daemon killed it
+    assert [n.envs for n in cluster._current_view().nodes] == [0, 1, 1]
+
+
+def test_the_report_fetched_right_after_a_create_settles_it():
+    cluster, nodes = make_cluster()
+
+    class Reporting(SlowNode):
+        def report(self, timeout_s=10.0):  # the agent's report after the create lists the env
+            old = self.cluster.reconciler.nodes[self.name].report
+            return report(self.name, seq=old.seq + 1, envs=tuple(self.made))
+
+    cluster.clients["a"] = Reporting(cluster, "a")  # type: ignore[assignment]
+    env = cluster.create(LOCK)
+    assert env.node == "a" and not cluster._pending

@@ -403,6 +403,8 @@ class Cluster:
             if entry is not None and entry.state is NodeState.HEALTHY and (
                     entry.report is None or rep.seq > entry.report.seq):
                 entry.report = rep
+                if self._pending:  # at once: an env killed before the next placement would never be listed
+                    self._drop_seen_pending([rep])
 
     def routes(self) -> dict[str, str]:
         """env id -> node, rebuilt from the node reports (what a restarted gateway starts from)."""
@@ -449,6 +451,9 @@ class Cluster:
     def _forget(self, env_id: str) -> None:
         with self._lock:
             self._routes.pop(env_id, None)
+            for ticket in [t for t, p in self._pending.items() if p[2] == env_id]:
+                del self._pending[ticket]  # killed before a report listed it
+                self._pending_version += 1
 
     def _note_snapshot(self, snap: str, node: str) -> None:
         with self._lock:
@@ -506,13 +511,13 @@ class Cluster:
             return view
 
     def _drop_seen_pending(self, reports: list[NodeReport]) -> None:
-        """Forget pending creates whose env a report lists now (or that are too old to wait for)."""
+        """Forget pending creates whose env one of ``reports`` lists (or that are too old to wait for)."""
         now = time.monotonic()
         listed: dict[str, set[str]] = {}
         for ticket, (node, _, env_id, since) in list(self._pending.items()):
             if env_id is not None and node not in listed:
                 listed[node] = {e.id for r in reports if r.node == node for e in r.envs}
-            if now - since > PENDING_TTL_S or (env_id is not None and env_id in listed[node]):
+            if now - since > PENDING_TTL_S or (env_id is not None and env_id in listed.get(node, ())):
                 del self._pending[ticket]
                 self._pending_version += 1
 
