@@ -14,7 +14,11 @@ unchanged: one set of API keys (the gateway's ``$WEENV_HOME/api``), one routing 
   minimums -> ranked nodes -> the first that admits; a node answering 503 ``not_admitted``, its
   state moved since its report, is skipped for the next); lists and metrics gather every node's;
   a snapshot's calls go to the node that holds it.
-- The gateway's address is kept in Ray's KV store (``weenv.Client(cluster="HEAD:6379")`` finds it).
+- Env ports (E2B's ``get_host``, ``/proxy/{id}/{port}``): the app's port tunnel is opened on the
+  env's node through the same per-node client (weenv/api/_proxy.py speaks to a daemon's TCP API
+  with the client's ``Authorization``), so the node API's token gate applies to it too.
+- The gateway's address is kept in Ray's KV store (``weenv.Client(cluster="HEAD:6379")`` finds it;
+  ``ray://`` addresses go through Ray's client, :func:`weenv.cluster._cluster.join_ray`).
 """
 
 from __future__ import annotations
