@@ -251,6 +251,129 @@ def test_policy_change_that_allows_a_name_gives_the_env_a_resolver(daemon: Egres
         env.kill()
 
 
+STREAM_PORT = 8100
+
+_TICKER = r"""
+import socket, sys, threading, time
+log = open(sys.argv[1], "a", buffering=1)
+def serve(conn, where, peer):
+    n = 0
+    try:
+        with conn:
+            while n < 3000:  # 60 s at most
+                conn.sendall(b"tick %06d\n" % n)
+                n += 1
+                time.sleep(0.02)
+        log.write(f"{where} {peer} done {n}\n")
+    except OSError as e:
+        log.write(f"{where} {peer} cut {n} {type(e).__name__}\n")
+def listen(addr, port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, port)); s.listen()
+    while True:
+        c, peer = s.accept()
+        threading.Thread(target=serve, args=(c, f"{addr}:{port}", peer[0]), daemon=True).start()
+for a in sys.argv[3:]:
+    threading.Thread(target=listen, args=(a, int(sys.argv[2])), daemon=True).start()
+time.sleep(120)
+"""
+
+
+class _Tickers:
+    """Streaming servers (a line every 20 ms on each connection, 60 s at most) in the outside
+    namespace, or on the node when ``netns`` is None; what became of each connection is logged
+    with the peer's address."""
+
+    def __init__(self, netns: str | None, port: int, *addrs: str):
+        fd, self.log = tempfile.mkstemp(prefix="wtest-ticker-")
+        os.close(fd)
+        argv = [sys.executable, "-c", _TICKER, self.log, str(port), *addrs]
+        self.proc = subprocess.Popen(["ip", "netns", "exec", netns, *argv] if netns else argv,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        code = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 1).close()"
+        for a in addrs:  # up: a probe connection to each (from another address than the env's)
+            def probe(a: str = a) -> bool:
+                cmd = [sys.executable, "-c", code, a, str(port)]
+                return subprocess.run(["ip", "netns", "exec", netns, *cmd] if netns else cmd,
+                                      capture_output=True).returncode == 0
+            assert wait_for(probe, timeout_s=10), f"ticker on {a}:{port} did not come up"
+
+    def events(self, where: str, peer: str) -> list[str]:
+        """What became of the connections from ``peer`` to ``where`` (ADDR:PORT) that ended."""
+        with open(self.log) as f:
+            return [line.split()[2] for line in f if line.startswith(f"{where} {peer} ")]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.unlink(self.log)
+
+
+def _size(env, path: str) -> int:  # type: ignore[no-untyped-def]
+    r = env.exec(["busybox", "stat", "-c", "%s", path])
+    return int(r.stdout) if r.exit_code == 0 else -1
+
+
+def _stream(env, addr: str, port: int, out: str):  # type: ignore[no-untyped-def]
+    """A long-lived connection from the env: busybox nc writing what it receives to ``out`` (its
+    stdin kept open, so it ends only when the connection does)."""
+    proc = env.spawn(f"exec busybox nc {addr} {port} > {out}", stdin=True)
+    proc.detach()
+    assert wait_for(lambda: _size(env, out) > 0, timeout_s=5), f"no data from {addr}:{port}"
+    return proc
+
+
+def test_a_deny_cuts_open_connections_and_spares_allowed_ones(daemon: EgressDaemon) -> None:
+    """Open connections to A (outside, through the NAT) and to a node port are cut within a short
+    bound when they are denied; the one to B, still allowed, keeps transferring, and being judged
+    again does not count it as a new connection."""
+    tickers = _Tickers(daemon.world.netns, STREAM_PORT, OUT_A, OUT_B)
+    node = None
+    try:
+        with daemon.client() as c:
+            env = c.create(_lock(daemon, allow=[f"{OUT_A}:{STREAM_PORT}", f"{OUT_B}:{STREAM_PORT}",
+                                                f"node:{STREAM_PORT}"]))
+            gw = _info(daemon, env.id)["gateway"]
+            node = _Tickers(None, STREAM_PORT, gw)
+            to_a = _stream(env, OUT_A, STREAM_PORT, "/tmp/a")
+            to_b = _stream(env, OUT_B, STREAM_PORT, "/tmp/b")
+            to_node = _stream(env, gw, STREAM_PORT, "/tmp/n")
+            before = _info(daemon, env.id)["counters"]
+            t0 = time.monotonic()
+            _change(daemon, env.id, deny=[f"{OUT_A}:{STREAM_PORT}", f"node:{STREAM_PORT}"])
+            assert to_a.wait(timeout_s=3) is not None, "the connection to the denied host is still open"
+            assert to_node.wait(timeout_s=3) is not None, "the connection to the denied node port is still open"
+            cut_s = time.monotonic() - t0
+            a_size, b_size = _size(env, "/tmp/a"), _size(env, "/tmp/b")
+            time.sleep(0.5)
+            assert _size(env, "/tmp/a") == a_size
+            assert _size(env, "/tmp/b") > b_size + 100, "the allowed connection stopped transferring"
+            assert to_b.wait(timeout_s=0.1) is None
+            # the denied host's side is cut too (its next packet was refused with a reset)
+            # (through the NAT, the env is the node's address to them)
+            a_side = lambda: tickers.events(f"{OUT_A}:{STREAM_PORT}", OUT_HOST)  # noqa: E731
+            assert wait_for(lambda: a_side() == ["cut"], timeout_s=3), a_side()
+            assert tickers.events(f"{OUT_B}:{STREAM_PORT}", OUT_HOST) == []  # still sending
+            after = _info(daemon, env.id)["counters"]
+            assert after["connections_allowed"] == before["connections_allowed"]
+            assert after["bytes_in"] > before["bytes_in"] and after["packets_denied"] > before["packets_denied"]
+            # new connections follow the new policy; B can still be reached anew
+            assert not _reachable(env, f"http://{OUT_A}:{STREAM_PORT}/")
+            to_b2 = _stream(env, OUT_B, STREAM_PORT, "/tmp/b2")
+            assert _info(daemon, env.id)["counters"]["connections_allowed"] == after["connections_allowed"] + 1
+            to_b.kill()
+            to_b2.kill()
+            env.kill()
+            print(f"cut within {cut_s * 1000:.0f} ms")
+    finally:
+        tickers.close()
+        if node is not None:
+            node.close()
+
+
 # -- bandwidth and accounting -----------------------------------------------------------------------
 
 def test_bandwidth_limit_holds_within_20_percent(daemon: EgressDaemon) -> None:
@@ -295,7 +418,7 @@ def _env_chains(table: str) -> list[str]:
     if not out:
         return []
     return [i["chain"]["name"] for i in json.loads(out)["nftables"] if "chain" in i
-            and i["chain"]["name"][:2] in ("o_", "i_", "b_")]
+            and i["chain"]["name"][:2] in ("o_", "i_", "b_", "p_", "a_")]
 
 
 def test_forked_children_get_networks_of_their_own(daemon: EgressDaemon) -> None:
@@ -322,7 +445,7 @@ def test_32_concurrent_egress_envs_leave_nothing(daemon: EgressDaemon) -> None:
             envs = list(pool.map(lambda _: c.create(lock), range(32)))
         assert len({_info(daemon, e.id)["address"] for e in envs}) == 32
         assert _reachable(envs[-1], f"http://{OUT_A}:{PORT}/id")
-        assert len(_env_chains(w.table)) == 3 * 32
+        assert len(_env_chains(w.table)) == 5 * 32
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             list(pool.map(lambda e: e.kill(), envs))
     assert weenv_links(w.table) == []

@@ -14,8 +14,8 @@ import pytest
 
 from weenv.net import PolicyError, parse_bandwidth, parse_entry, parse_policy
 from weenv.net._dns import answer
-from weenv.net._nft import (EnvWiring, env_counters, full_state, parse_table, render_base, render_env,
-                            render_env_delete, render_policy_change, stale_elements)
+from weenv.net._nft import (EnvWiring, env_counters, full_state, next_generation, parse_table, render_base,
+                            render_env, render_env_delete, render_policy_change, stale_elements)
 from weenv.net._policy import Resolved, change_policy, free_slot, parse_range, slot, slot_count
 from weenv.plan import PlanValidationError, dump_plan, load_plan, plan_json_schema
 from weenv.plan._model import network_policy
@@ -121,24 +121,85 @@ def test_rules_order_deny_then_implicit_then_allow_and_a_counted_reject_last() -
     policy = parse_policy(["198.18.0.0/24:8000", "169.254.169.254:80", "svc.example:443", "node:8000"],
                           ["198.18.0.3"])
     resolved = Resolved({"svc.example": (ipaddress.IPv4Address("198.18.0.1"), ipaddress.IPv4Address("198.18.0.1"))})
-    out = _rules(render_env("t", WIRING, policy, resolved, RANGE), "o_e0123456789")
+    script = render_env("t", WIRING, policy, resolved, RANGE)
+    out = _rules(script, "o_e0123456789")
     assert out[0].startswith("ip saddr != 10.213.0.2 ")  # no spoofing
     assert "meta nfproto ipv6" in out[1]
-    assert out[2].startswith("ct state established,related")
-    assert out[3].startswith("oifname != @egress")  # only the operator's interfaces
-    assert out[4] == "ip daddr 198.18.0.3 counter name e0123456789_deny reject"
-    # an allow inside an implicit deny (metadata) comes before it; the rest after
-    assert out[5].startswith("ip daddr 169.254.169.254 meta l4proto { tcp, udp } th dport 80")
-    assert out[6].startswith("ip daddr { 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/4, 240.0.0.0/4, "
-                             "10.213.0.0/16 }") and out[6].endswith("reject")
-    assert out[7] == ("ip daddr 198.18.0.0/24 meta l4proto { tcp, udp } th dport 8000 "
-                      "counter name e0123456789_conn accept")
-    assert out[8].startswith("ip daddr 198.18.0.1 meta l4proto { tcp, udp } th dport 443")  # pinned, once
-    assert out[-1] == "counter name e0123456789_deny reject"
-    node = _rules(render_env("t", WIRING, policy, resolved, RANGE), "i_e0123456789")
-    assert "ip daddr 10.213.0.1 meta l4proto { tcp, udp } th dport 53 accept" in node  # dns = node
-    assert "ip daddr 10.213.0.1 meta l4proto { tcp, udp } th dport 8000 counter name e0123456789_conn accept" in node
-    assert node[-1] == "counter name e0123456789_deny reject"
+    assert out[2].startswith("ct state established,related ct mark and 0xffff0000 == 0x00010000 ")  # current only
+    assert out[3] == "ct state invalid counter name e0123456789_deny drop"  # never a reset for these
+    assert out[4].startswith("oifname != @egress")  # only the operator's interfaces
+    assert out[5:] == ["goto p_e0123456789"]
+    # the policy judges the connection's original tuple: the same rules for a packet of either direction
+    pol = _rules(script, "p_e0123456789")
+    assert pol[0] == "ct original ip daddr 198.18.0.3 counter name e0123456789_deny goto rst"
+    # an allow inside an implicit deny (metadata) comes before it; the rest after; ports per protocol
+    assert pol[1:3] == [f"ct original ip daddr 169.254.169.254 meta l4proto {p} ct original proto-dst 80 "
+                        "goto a_e0123456789" for p in ("tcp", "udp")]
+    assert pol[3].startswith("ct original ip daddr { 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/4, "
+                             "240.0.0.0/4, 10.213.0.0/16 }") and pol[3].endswith("goto rst")
+    assert pol[4] == "ct original ip daddr 198.18.0.0/24 meta l4proto tcp ct original proto-dst 8000 goto a_e0123456789"
+    assert pol[6].startswith("ct original ip daddr 198.18.0.1 meta l4proto tcp ct original proto-dst 443")  # pinned, once
+    assert len(pol) == 9 and pol[-1] == "counter name e0123456789_deny goto rst"
+    node = _rules(script, "i_e0123456789")
+    assert "ip daddr 10.213.0.1 meta l4proto { tcp, udp } th dport 53 ct mark set ct mark and 0x0000ffff or " \
+           "0x00010000 accept" in node  # dns = node
+    assert ("ip daddr 10.213.0.1 meta l4proto { tcp, udp } th dport 8000 ct mark and 0xffff0000 == 0 "
+            "ct mark set ct mark and 0x0000ffff or 0x00010000 counter name e0123456789_conn accept") in node
+    assert node[-1] == "counter name e0123456789_deny goto rst"
+
+
+def test_open_connections_are_judged_again_after_a_policy_change() -> None:
+    """Only a connection stamped with the current generation takes the fast accept, in either
+    direction; one of an older generation goes through the policy again (a reply too)."""
+    policy = parse_policy(["198.18.0.1:8000", "node:8000"])
+    for gen in (1, 7, 65534):
+        g = f"0x{gen << 16:08x}"
+        script = render_policy_change("t", WIRING, policy, Resolved(), RANGE, generation=gen)
+        fast = f"ct state established,related ct mark and 0xffff0000 == {g}"
+        assert _rules(script, "o_e0123456789")[2] == f"{fast} counter name e0123456789_out accept"
+        assert _rules(script, "i_e0123456789")[2] == f"{fast} accept"
+        # the env's replies on connections the node opened to it (the node is not confined)
+        assert _rules(script, "i_e0123456789")[3] == "ct state established,related ct direction reply accept"
+        assert _rules(script, "b_e0123456789") == [f"{fast} counter name e0123456789_in accept",
+                                                   "ct state established,related goto p_e0123456789",
+                                                   "counter name e0123456789_deny drop"]
+        # nothing established is accepted without its generation
+        for chain in ("o", "i", "b", "p", "a"):
+            for rule in _rules(script, f"{chain}_e0123456789"):
+                assert not ("established" in rule and rule.endswith("accept") and g not in rule
+                            and "ct direction reply" not in rule), rule
+    with pytest.raises(ValueError, match="generation 0"):
+        render_policy_change("t", WIRING, policy, Resolved(), RANGE, generation=0)
+    with pytest.raises(ValueError, match="generation 65535"):  # all the bits: the mark of a cut connection
+        render_policy_change("t", WIRING, policy, Resolved(), RANGE, generation=0xFFFF)
+    assert [next_generation(g) for g in (1, 2, 65533, 65534)] == [2, 3, 65534, 1]
+
+
+def test_allowed_counts_connections_not_packets_judged_again() -> None:
+    script = render_policy_change("t", WIRING, parse_policy(["198.18.0.1"]), Resolved(), RANGE, generation=3)
+    stamp = "ct mark set ct mark and 0x0000ffff or 0x00030000"
+    assert _rules(script, "a_e0123456789") == [
+        f"ct mark and 0xffff0000 == 0 {stamp} counter name e0123456789_conn accept",  # first seen: a connection
+        f"{stamp} ct direction reply counter name e0123456789_in accept",  # judged again: its bytes
+        "counter name e0123456789_out accept"]
+    # other users' bits of the conntrack mark are kept: every write masks with 0x0000ffff
+    assert all("ct mark set ct mark and 0x0000ffff or " in line
+               for line in script.splitlines() if "ct mark set" in line)
+
+
+def test_a_refused_packet_cuts_its_connection_both_ways() -> None:
+    base = _rules(render_base("t", RANGE, ["eth9"]), "rst")
+    assert base == [  # the peer's first refused packet reaches the env as a reset and marks it cut
+        "ct direction reply meta l4proto tcp ct mark and 0xffff0000 != 0xffff0000 ct mark set ct mark or 0xffff0000 "
+        "tcp flags set rst accept",
+        "meta l4proto tcp reject with tcp reset",  # an env's (or the peer's next) packet: its sender is reset
+        "reject"]
+    script = render_env("t", WIRING, parse_policy(["198.18.0.1"], ["198.18.0.0/16:22"]), Resolved(), RANGE)
+    refusals = [r for c in ("o", "i", "p") for r in _rules(script, f"{c}_e0123456789") if "_deny" in r]
+    # every refusal of a possibly open connection goes through rst; only spoofed sources, IPv6 and
+    # invalid packets (never part of an allowed connection) are refused on the spot
+    assert all(r.endswith("goto rst") or r.startswith(("ip saddr != ", "meta nfproto ipv6 ", "ct state invalid "))
+               for r in refusals), refusals
 
 
 def test_no_dns_rule_and_no_node_access_by_default() -> None:
@@ -148,7 +209,10 @@ def test_no_dns_rule_and_no_node_access_by_default() -> None:
 
 def test_policy_change_rewrites_only_the_env_chains() -> None:
     script = render_policy_change("t", WIRING, parse_policy(["198.18.0.1"]), Resolved(), RANGE)
-    assert script.startswith("flush chain inet t o_e0123456789\nflush chain inet t i_e0123456789\n")
+    lines = script.splitlines()
+    # p_ and a_ added first (an env wired before they existed), then all five refilled at once
+    assert lines[:7] == ["add chain inet t p_e0123456789", "add chain inet t a_e0123456789",
+                         *(f"flush chain inet t {c}_e0123456789" for c in ("o", "i", "b", "p", "a"))]
     assert "counter" in script and "add counter" not in script and "element" not in script
 
 

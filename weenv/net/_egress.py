@@ -47,6 +47,7 @@ class NetState(msgspec.Struct, kw_only=True):
     policy: dict[str, Any] = {}
     resolved: dict[str, list[str]] = {}
     resolved_s: float = 0.0
+    generation: int = 1  # of the policy in force: stamped on the env's connections (_nft.GEN_MASK)
 
     def wiring(self) -> _nft.EnvWiring:
         return _nft.EnvWiring(key=self.key, veth=self.veth, address=ipaddress.IPv4Address(self.address),
@@ -203,7 +204,8 @@ class EgressNetwork:
                 self._save(env_dir, st)
                 _host.create_link(netns=st.netns, veth=st.veth, alias=f"{self.table}:{env_id}", address=st.address,
                                   gateway=st.gateway, prefix=SLOT_PREFIX)
-                _host.nft(_nft.render_env(self.table, st.wiring(), policy, resolved, self.range), what="env rules")
+                _host.nft(_nft.render_env(self.table, st.wiring(), policy, resolved, self.range, st.generation),
+                          what="env rules")
                 if policy.bandwidth_bps is not None:
                     _host.set_bandwidth(netns=st.netns, veth=st.veth, bps=policy.bandwidth_bps)
 
@@ -297,7 +299,8 @@ class EgressNetwork:
             if f"o_{st.key}" not in state.chains or st.veth not in state.elements.get("env_out", set()):
                 log.warning("env %s: its egress rules were missing; putting them back", env_id)
                 _host.nft(_nft.render_env(self.table, st.wiring(), policy_from_builtins(st.policy),
-                                          Resolved.from_builtins(st.resolved), self.range), what="env rules")
+                                          Resolved.from_builtins(st.resolved), self.range, st.generation),
+                          what="env rules")
 
         await trio.to_thread.run_sync(check)
         self._serve_dns(st)
@@ -305,17 +308,21 @@ class EgressNetwork:
 
     async def change(self, env_id: str, env_dir: str, *, allow: list[str] = (),  # type: ignore[assignment]
                      deny: list[str] = (), remove: list[str] = ()) -> NetState:  # type: ignore[assignment]
-        """A running env's new policy, in force for new connections when this returns."""
+        """A running env's new policy, in force when this returns: for new connections, and for the
+        open ones from their next packet (a new generation: see :mod:`weenv.net._nft`)."""
         st = self.states[env_id]
         policy = change_policy(policy_from_builtins(st.policy), allow=allow, deny=deny, remove=remove)
         resolved = await self._resolve(policy)
-        await self._apply(env_dir, st, policy, resolved)
+        await self._apply(env_dir, st, policy, resolved, _nft.next_generation(st.generation))
         return st
 
-    async def _apply(self, env_dir: str, st: NetState, policy: EgressPolicy, resolved: Resolved) -> None:
+    async def _apply(self, env_dir: str, st: NetState, policy: EgressPolicy, resolved: Resolved,
+                     generation: int) -> None:
         await trio.to_thread.run_sync(lambda: _host.nft(
-            _nft.render_policy_change(self.table, st.wiring(), policy, resolved, self.range), what="policy change"))
+            _nft.render_policy_change(self.table, st.wiring(), policy, resolved, self.range, generation),
+            what="policy change"))
         st.policy, st.resolved, st.resolved_s = policy.to_builtins(), resolved.to_builtins(), time.time()
+        st.generation = generation
         await trio.to_thread.run_sync(self._save, env_dir, st)
         names = self._dns_names.get(st.env_id)
         if names is not None:  # the running resolver answers the new names from its next query on
@@ -327,7 +334,9 @@ class EgressNetwork:
                 await trio.to_thread.run_sync(_point_resolv_conf, env_dir, st.gateway)
 
     async def refresh_loop(self, env_dir_of: Any) -> None:
-        """Re-resolve allowed host names every ``refresh_s``; a changed answer re-pins the rules."""
+        """Re-resolve allowed host names every ``refresh_s``; a changed answer re-pins the rules for
+        new connections. The generation stays: the policy did not change, so connections it allowed
+        (to an address the name had) are kept."""
         while True:
             await trio.sleep(self.refresh_s)
             for env_id, st in list(self.states.items()):
@@ -340,7 +349,7 @@ class EgressNetwork:
                     log.warning("env %s: re-resolving its allowed names: %s (keeping the old addresses)", env_id, e)
                     continue
                 if resolved.to_builtins() != st.resolved and env_id in self.states:
-                    await self._apply(env_dir_of(env_id), st, policy, resolved)
+                    await self._apply(env_dir_of(env_id), st, policy, resolved, st.generation)
 
     def start(self, nursery: trio.Nursery, env_dir_of: Any) -> None:
         """The daemon's nursery is up: resolvers of adopted envs, and the name refresh."""
