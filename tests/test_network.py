@@ -374,6 +374,25 @@ def test_a_deny_cuts_open_connections_and_spares_allowed_ones(daemon: EgressDaem
             node.close()
 
 
+def test_a_deny_cuts_an_idle_connection_at_its_next_packet(daemon: EgressDaemon) -> None:
+    """Connections open but silent when the policy changes: the env's first packet on the denied
+    one is answered with a reset (nothing of the reply reaches it); the allowed one works on."""
+    with daemon.client() as c:
+        env = c.create(_lock(daemon, allow=[f"{OUT_A}:{PORT}", f"{OUT_B}:{PORT}"]))
+        idle = {a: env.spawn(f"exec busybox nc {a} {PORT} > /tmp/{n}", stdin=True) for a, n in ((OUT_A, "a"), (OUT_B, "b"))}
+        for proc in idle.values():
+            proc.detach()
+        assert wait_for(lambda: _info(daemon, env.id)["counters"]["connections_allowed"] == 2, timeout_s=5)
+        _change(daemon, env.id, deny=[f"{OUT_A}:{PORT}"])
+        for proc in idle.values():
+            proc.send_stdin("GET /id HTTP/1.0\r\n\r\n")
+        assert idle[OUT_A].wait(timeout_s=3) is not None, "the idle connection to the denied host survived"
+        assert wait_for(lambda: f"{OUT_B}:{PORT}" in env.exec("busybox cat /tmp/b").stdout.decode(), timeout_s=5)
+        assert _size(env, "/tmp/a") == 0
+        assert _info(daemon, env.id)["counters"]["connections_allowed"] == 2
+        env.kill()
+
+
 # -- bandwidth and accounting -----------------------------------------------------------------------
 
 def test_bandwidth_limit_holds_within_20_percent(daemon: EgressDaemon) -> None:

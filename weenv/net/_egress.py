@@ -296,8 +296,10 @@ class EgressNetwork:
             if self._adopt_state is None:
                 self._adopt_state = _nft.parse_table(_host.list_table(self.table))
             state = self._adopt_state
-            if f"o_{st.key}" not in state.chains or st.veth not in state.elements.get("env_out", set()):
-                log.warning("env %s: its egress rules were missing; putting them back", env_id)
+            if any(f"{c}_{st.key}" not in state.chains for c in _nft.CHAINS) \
+                    or st.veth not in state.elements.get("env_out", set()):
+                # missing, or made by a weenv before policy generations (no p_/a_ chains)
+                log.warning("env %s: its egress rules were missing or out of date; putting them back", env_id)
                 _host.nft(_nft.render_env(self.table, st.wiring(), policy_from_builtins(st.policy),
                                           Resolved.from_builtins(st.resolved), self.range, st.generation),
                           what="env rules")
