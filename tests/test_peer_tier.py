@@ -383,3 +383,64 @@ def test_a_kept_alive_connection_the_peer_closed_is_not_held_against_it(tmp_path
     finally:
         for close in h.closers:
             close()
+
+
+def test_a_group_the_tier_splits_off_resolves_without_waiting_for_the_others():
+    """Two nodes, each waiting on the other's owner fetch, must not deadlock: a chunk of a region this
+    node fetches itself resolves while another region's request (to its owner) still waits. Before
+    the fetcher walked split groups on their own, one tier call held every claim of the read, and
+    two envlets could each hold the claim the other's peer fetch waited for (2 s stalls at K = 4)."""
+    import trio
+
+    from weenv.envlet import Metrics
+    from weenv.envlet._fetch import Fetcher, LayerSource
+    from weenv.envlet._tier import ChunkTier
+    from weenv.layerfmt import Chunk
+
+    own, other = os.urandom(1000), os.urandom(1000)
+    c_own = Chunk(0, 1000, 0, 1000, hashlib.sha256(own).digest())
+    c_other = Chunk(4 << 20, 1000, 0, 1000, hashlib.sha256(other).digest())
+    own_resolved = threading.Event()
+
+    class Split(ChunkTier):
+        name, blocking, verified = "split", True, False
+
+        def has(self, chunk):
+            return None
+
+        def split(self, src, chunks):
+            return [[c] for c in chunks]
+
+        def get(self, src, chunks):
+            if any(c is c_other for c in chunks):  # the owner of this region waits for our claim on the other chunk
+                assert own_resolved.wait(5), "the chunk of our own region never resolved"
+            return [own if c is c_own else other for c in chunks]
+
+        def put(self, items):
+            return None
+
+    fetcher = Fetcher([Split()], Metrics(), deadline_s=10)
+    src = LayerSource("t", None, "sha256:" + "ab" * 32)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            fetcher.attach(n)
+            got: list = []
+
+            async def read_both() -> None:
+                got.extend(await fetcher.get(src, [c_own, c_other], "both"))
+
+            async def peer_waits_for_own() -> None:  # what a peer's fetch-for-peer does: coalesce on the claim
+                await trio.sleep(0.05)
+                assert await fetcher.get(src, [c_own], "for a peer") == [own]
+                own_resolved.set()
+
+            with trio.fail_after(8):
+                n.start_soon(read_both)
+                n.start_soon(peer_waits_for_own)
+                while len(got) < 2:
+                    await trio.sleep(0.01)
+            assert got == [own, other]
+            n.cancel_scope.cancel()
+
+    trio.run(main)

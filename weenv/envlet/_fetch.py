@@ -270,23 +270,38 @@ class Fetcher:
             for c in extra:  # read-ahead claims have no reader of their own
                 self._release(c.digest)
 
-    async def _walk(self, src: LayerSource, chunks: list[Chunk], path: str, background: bool) -> None:
-        """Ask the tiers after the fast ones, in order, for claimed ``chunks``; resolve or fail each claim.
+    async def _walk(self, src: LayerSource, chunks: list[Chunk], path: str, background: bool, start: int = -1,
+                    errors: dict[bytes, BaseException] | None = None) -> None:
+        """Ask the tiers after the fast ones (from ``start``), in order, for claimed ``chunks``; resolve or
+        fail each claim.
 
+        A tier that splits the chunks into groups (:meth:`ChunkTier.split`) has each group walk on by itself:
+        one group's wait (a peer fetching a region for us) never holds up another group's claims —
+        which a peer may be waiting for (a cycle of two nodes each waiting for the other otherwise).
         Raises only on cancellation.
         """
         pending = chunks
-        errors: dict[bytes, BaseException] = {}
+        errors = {} if errors is None else errors
         m = self.metrics
-        for idx in range(self._fast, len(self.tiers)):
+        for idx in range(self._fast if start < 0 else start, len(self.tiers)):
             if not pending:
                 break
             tier = self.tiers[idx]
             st = self.tier_stats[tier.name]
-            ask = [c for c in pending if tier.has(c) is not False]
-            st.misses += len(pending) - len(ask)
+            ask, rest = [], []
+            for c in pending:
+                (rest if tier.has(c) is False else ask).append(c)
+            st.misses += len(rest)
             if not ask:
                 continue
+            groups = tier.split(src, ask) if len(ask) > 1 else [ask]
+            if len(groups) > 1:
+                async with trio.open_nursery() as n:
+                    for g in groups:
+                        n.start_soon(self._walk, src, list(g), path, background, idx, errors)
+                    if rest:
+                        n.start_soon(self._walk, src, rest, path, background, idx + 1, errors)
+                return
             answers: dict[bytes, _Answer] = {}
             batches = self._batches(tier, ask)
             if len(batches) == 1:

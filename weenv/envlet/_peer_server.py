@@ -35,7 +35,7 @@ import trio
 
 from ..layerfmt import Chunk
 from ._errors import ChunkIntegrityError, FetchError
-from ._tier_peer import ITEM, ITEM_HEAD, MAX_ITEMS, PATH, PeerOptions
+from ._tier_peer import ITEM, ITEM_HEAD, MAX_ITEMS, NOT_ASKING, PATH, PeerOptions
 
 if TYPE_CHECKING:
     from ._server import Envlet
@@ -207,7 +207,8 @@ class PeerServer:
             m = self._layer(headers.get(b"x-weenv-layer", b"").decode(errors="replace"))
             if m is not None:
                 await stream.send_all(b"HTTP/1.1 102 Processing\r\n\r\n")
-                await self._fetch_for_peer(m, items, missing, answers)
+                asker = headers.get(b"x-weenv-from", b"").decode(errors="replace")
+                await self._fetch_for_peer(m, items, missing, answers, asker)
         parts = []
         total = 0
         for (_, _, _, ulen, rstart, rlen), a in zip(items, answers):
@@ -221,14 +222,18 @@ class PeerServer:
         async with self._slots:
             self.active += 1
             try:
-                await stream.send_all(_head(200, "OK", total, "Content-Type: application/octet-stream\r\n"))
+                # the head and the item counts before an item's bytes go out in one send, not a
+                # packet each (MSG_MORE would merge them with the bytes, but sendfile after it stalls)
+                pend = bytearray(_head(200, "OK", total, "Content-Type: application/octet-stream\r\n"))
                 sent = 0
                 for p in parts:
                     if p is None:
-                        await stream.send_all(ITEM_HEAD.pack(-1))
+                        pend += ITEM_HEAD.pack(-1)
                         continue
                     a, start, n = p
-                    await stream.send_all(ITEM_HEAD.pack(n))
+                    pend += ITEM_HEAD.pack(n)
+                    await stream.send_all(pend)
+                    pend.clear()
                     if isinstance(a, bytes):
                         await self._send_bytes(stream, memoryview(a)[start : start + n])
                     else:
@@ -236,6 +241,8 @@ class PeerServer:
                         await self._send_file(stream, fd, offset + start, n)
                     sent += n
                     self.metrics.inc("peer_served_chunks")
+                if pend:
+                    await stream.send_all(pend)
                 self.metrics.inc("peer_served_bytes", sent)
             finally:
                 self.active -= 1
@@ -271,7 +278,7 @@ class PeerServer:
         m = self.envlet.by_name.get(digest[7:19])
         return m if m is not None and m.digest == digest else None
 
-    async def _fetch_for_peer(self, m: Any, items: list, missing: list[int], answers: list[Any]) -> None:
+    async def _fetch_for_peer(self, m: Any, items: list, missing: list[int], answers: list[Any], asker: str) -> None:
         chunks = []
         for i in missing:
             digest, off, clen, ulen, _, _ = items[i]
@@ -280,15 +287,19 @@ class PeerServer:
             chunks.append((i, Chunk(off, clen, 0, ulen, digest)))
         if not chunks:
             return
-        with trio.move_on_after(self.options.fetch_timeout_s):
-            try:
+        # the asker holds none of these: our fetcher does not ask it back (ContextVar: seen by the
+        # peer tier in the fetcher's worker threads)
+        not_asking = NOT_ASKING.set(frozenset([asker]) if asker else frozenset())
+        try:
+            with trio.move_on_after(self.options.fetch_timeout_s):
                 got = await self.envlet.fetcher.get(m.source, [c for _, c in chunks], "(for a peer)")
-            except (FetchError, ChunkIntegrityError) as e:
-                log.info("layer %s: fetching %d chunks for a peer failed: %s", m.name, len(chunks), e)
-                return
-            for (i, _), data in zip(chunks, got):
-                answers[i] = data
-            self.metrics.inc("peer_served_fetches", len(chunks))
+                for (i, _), data in zip(chunks, got):
+                    answers[i] = data
+                self.metrics.inc("peer_served_fetches", len(chunks))
+        except (FetchError, ChunkIntegrityError) as e:
+            log.info("layer %s: fetching %d chunks for a peer failed: %s", m.name, len(chunks), e)
+        finally:
+            NOT_ASKING.reset(not_asking)
 
     # ------------------------------------------------------------------ sending, bounded
 

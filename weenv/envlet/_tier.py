@@ -88,6 +88,13 @@ class ChunkTier(abc.ABC):
     def discard(self, chunk: Chunk) -> None:  # noqa: B027 - optional: tiers that hold nothing need not
         """The bytes :meth:`get` gave for ``chunk`` failed verification: forget them."""
 
+    def split(self, src: "LayerSource", chunks: Sequence[Chunk]) -> Sequence[Sequence[Chunk]]:
+        """Groups of ``chunks`` the fetcher asks (and then the next tiers) independently of each other:
+        a group's claims resolve as soon as its own answers are in (default: one group). The peer tier
+        groups by the peers it asks, so a slow owner of one region never delays another region.
+        """
+        return [chunks]
+
 
 @dataclass
 class TierConfig:

@@ -31,6 +31,7 @@ HOST:PORT), ``peer.advertise``, ``peer.k``, ``peer.hedge_ms``, ``peer.stall_ms``
 from __future__ import annotations
 
 import bisect
+import contextvars
 import hashlib
 import logging
 import socket
@@ -60,6 +61,11 @@ ITEM = struct.Struct(">32sQQQQQ")
 ITEM_HEAD = struct.Struct(">q")  # each answered item: its byte count, or -1 (not held); then the bytes
 MAX_ITEMS = 4096
 PATH = "/v1/chunks"
+# Peers not to ask, set by the peer server around a fetch it makes for a peer: the peer that asked
+# holds none of those chunks (it would not have asked), so asking it back is a wasted round trip on
+# the path everyone waiting for the region is on. Worker threads of trio.to_thread see the value.
+NOT_ASKING: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("weenv_peer_not_asking",
+                                                                          default=frozenset())
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
                "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
 
@@ -200,6 +206,7 @@ class _Conn:
     sock: socket.socket
     reused: bool = False  # from the idle pool: the peer may have closed it meanwhile
     answered: bool = False  # the peer began an answer on it
+    complete: bool = False  # the last answer was read to its end (nothing of it left on the socket)
 
 
 def _hrw(key: bytes, node: str) -> bytes:
@@ -289,8 +296,10 @@ class PeerTier(ChunkTier):
         asked whether they hold it (a node that read the layer earlier does), then the next tier.
         """
         now = time.monotonic()
+        skip = NOT_ASKING.get()
         with self._lock:
-            holders = [a for a, st in self.peers.items() if layer in st.layers and st.backoff_until <= now]
+            holders = [a for a, st in self.peers.items()
+                       if layer in st.layers and st.backoff_until <= now and a not in skip]
         if not holders:
             return []
         key = layer.encode() + struct.pack(">Q", chunk.offset // self.options.region_bytes)
@@ -304,6 +313,17 @@ class PeerTier(ChunkTier):
                 continue
             out.append((n, owner and self.options.fetch_for_peers))
         return out[: self.options.k]
+
+    def split(self, src: "LayerSource", chunks: Sequence[Chunk]) -> list[list[Chunk]]:
+        """One group per list of peers to ask: the fetcher resolves each group's claims on its own, so a
+        region this node fetches itself (it owns it) never waits on a region it asked an owner for."""
+        layer = getattr(src, "digest", "") or ""
+        if not layer or not self.peers:
+            return [list(chunks)]
+        groups: dict[tuple[tuple[str, bool], ...], list[Chunk]] = {}
+        for c in chunks:
+            groups.setdefault(tuple(self.order(layer, c)), []).append(c)
+        return list(groups.values())
 
     def get(self, src: "LayerSource", chunks: Sequence[Chunk]) -> list[bytes | LayerError | None]:
         out: list[bytes | LayerError | None] = [None] * len(chunks)
@@ -422,14 +442,15 @@ class PeerTier(ChunkTier):
             h = h11.Connection(h11.CLIENT)
             head = h.send(h11.Request(method="POST", target=PATH, headers=[
                 ("Host", addr), ("Authorization", f"Bearer {o.token}"), ("Content-Length", str(len(body))),
-                ("X-Weenv-Layer", layer), ("X-Weenv-Fetch", "1" if fetch else "0")]))
+                ("X-Weenv-Layer", layer), ("X-Weenv-Fetch", "1" if fetch else "0"),
+                *([("X-Weenv-From", self.self_address)] if self.self_address else [])]))
             conn.sock.settimeout(max(0.001, hedge_end - time.monotonic()))
             conn.sock.sendall(head + h.send(h11.Data(data=body)) + h.send(h11.EndOfMessage()))
             status, data = self._response(conn, h, hedge_end, start + o.fetch_timeout_s)
             if status in (401, 403):
                 raise PeerError(f"refused our cluster token ({status})")
             if status != 200:
-                raise PeerError(f"answered {status}: {data[:200].decode(errors='replace')}")
+                raise PeerError(f"answered {status}: {bytes(data[:200]).decode(errors='replace')}")
             out: list[bytes | None] = []
             pos = 0
             for c in chunks:
@@ -446,9 +467,8 @@ class PeerTier(ChunkTier):
                 pos += n
             if pos != len(data):
                 raise PeerError(f"{len(data) - pos} bytes after the last item")
-            ok = h.our_state is h11.DONE and h.their_state is h11.DONE
-            if ok:
-                h.start_next_cycle()
+            ok = conn.complete or (h.our_state is h11.DONE and h.their_state is h11.DONE)
+            conn.complete = False
             return out
         except (_Stale, ConnectionError) as e:
             if conn.reused and (isinstance(e, _Stale) or not conn.answered):
@@ -466,34 +486,63 @@ class PeerTier(ChunkTier):
             if conn is not None:
                 conn.sock.close()
 
-    def _response(self, conn: _Conn, h: h11.Connection, hedge_end: float, end: float) -> tuple[int, bytearray]:
+    def _response(self, conn: _Conn, h: h11.Connection, hedge_end: float, end: float) -> tuple[int, memoryview]:
+        """The answer's status and body. h11 parses the head; a 200's body (its Content-Length known)
+        is read straight into one buffer (``recv_into``): each byte is copied once more, into the chunk."""
         status = 0
         answered = False
         data = bytearray()
         while True:
             ev = h.next_event()
             if ev is h11.NEED_DATA:
-                now = time.monotonic()
-                if now > end:
-                    raise PeerTimeout(f"no whole answer within {self.options.fetch_timeout_s:g} s")
-                limit = (hedge_end - now) if not answered else self.options.stall_s
-                conn.sock.settimeout(max(0.001, min(limit, end - now)))
-                part = conn.sock.recv(1 << 20)
-                if not part:
-                    raise _Stale() if conn.reused and not answered else PeerError("closed the connection mid-answer")
-                h.receive_data(part)
+                h.receive_data(self._recv(conn, answered, hedge_end, end, 1 << 16))
                 continue
             if isinstance(ev, h11.InformationalResponse):
                 answered = conn.answered = True  # 102: the peer is fetching the region for us
             elif isinstance(ev, h11.Response):
                 answered = conn.answered = True
                 status = ev.status_code
+                length = next((int(v) for k, v in ev.headers if k == b"content-length"), -1)
+                if status == 200 and length >= 0:
+                    return status, self._body(conn, h, length, end)
             elif isinstance(ev, h11.Data):
                 data += ev.data
             elif isinstance(ev, h11.EndOfMessage):
-                return status, data
+                return status, memoryview(data)
             elif isinstance(ev, h11.ConnectionClosed):
                 raise PeerError("closed the connection mid-answer")
+
+    def _body(self, conn: _Conn, h: h11.Connection, length: int, end: float) -> memoryview:
+        buf = memoryview(bytearray(length))
+        got = 0
+        while got < length:  # what h11 read along with the head
+            ev = h.next_event()
+            if not isinstance(ev, h11.Data):
+                break
+            buf[got : got + len(ev.data)] = ev.data
+            got += len(ev.data)
+        while got < length:
+            now = time.monotonic()
+            if now > end:
+                raise PeerTimeout(f"no whole answer within {self.options.fetch_timeout_s:g} s")
+            conn.sock.settimeout(max(0.001, min(self.options.stall_s, end - now)))
+            n = conn.sock.recv_into(buf[got:])
+            if not n:
+                raise PeerError("closed the connection mid-answer")
+            got += n
+        conn.complete = True  # the answer ended where its length said: the connection can be reused
+        return buf
+
+    def _recv(self, conn: _Conn, answered: bool, hedge_end: float, end: float, size: int) -> bytes:
+        now = time.monotonic()
+        if now > end:
+            raise PeerTimeout(f"no whole answer within {self.options.fetch_timeout_s:g} s")
+        limit = (hedge_end - now) if not answered else self.options.stall_s
+        conn.sock.settimeout(max(0.001, min(limit, end - now)))
+        part = conn.sock.recv(size)
+        if not part:
+            raise _Stale() if conn.reused and not answered else PeerError("closed the connection mid-answer")
+        return part
 
 
 def make_tier(config: TierConfig) -> PeerTier:
