@@ -141,7 +141,7 @@ def _peer_harness(tmp_path, m: Metrics, blob: bytes, lay: Layer, digest: str) ->
 
     served = Metrics()
     cache = DiskCache(str(tmp_path / "peer-l2"), 1 << 20, served)
-    node = SimpleNamespace(l1=None, l2=cache, fetcher=SimpleNamespace(foreground_busy=False), by_name={},
+    node = SimpleNamespace(l1=None, l2=cache, fetcher=SimpleNamespace(foreground_busy=False, serving_yields=False), by_name={},
                            metrics=served)
     server = PeerServer(node, PeerOptions(token="conformance", listen=("127.0.0.1", 0)))  # type: ignore[arg-type]
     ready: queue.Queue = queue.Queue()

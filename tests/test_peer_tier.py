@@ -444,3 +444,76 @@ def test_a_group_the_tier_splits_off_resolves_without_waiting_for_the_others():
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_serving_a_peer_flood_yields_to_the_nodes_own_reads(tmp_path, registry, nodes, weenv_home):
+    """A serves a flood of peer requests at its concurrency bound (bandwidth unbounded, so only the
+    priority rule holds serving back) while its own reads fetch a cold layer: serving drops below 30 %
+    of what A serves with no reads of its own (it yields, and still goes on), and A's reads keep
+    their time within 1.5x (+0.3 s) of the same reads without the flood."""
+    big = {f"big{i}": os.urandom(4 << 20) for i in range(3)}
+    served_layer = publish_layer(tmp_path, registry, "flood", big)
+    cold = {f"d{j}/f{i}": os.urandom(60_000 + i) for j in range(2) for i in range(60)}
+    own_a = publish_layer(tmp_path, registry, "own-a", cold)
+    cold_b = {k: os.urandom(len(v)) for k, v in cold.items()}
+    own_b = publish_layer(tmp_path, registry, "own-b", cold_b)
+    a = nodes("a", **{"peer.serve_bandwidth": "0", "peer.serve_concurrency": "4"})
+    a.register(served_layer)
+    for k, v in big.items():
+        assert a.read(k) == v
+    time.sleep(0.5)  # the write-back into A's disk cache (served with sendfile from the packs)
+    chunks = [c for k in big for c in _chunks_of(registry, served_layer, k)]
+    body = b"".join(ITEM.pack(c.digest, c.offset, c.length, c.ulength, 0, 0) for c in chunks)
+
+    def read_all(layer, files) -> float:
+        path = a.register(layer)
+        t0 = time.monotonic()
+        for k, v in files.items():
+            with open(os.path.join(path, k), "rb") as fh:
+                assert fh.read() == v
+        return time.monotonic() - t0
+
+    quiet = read_all(own_a, cold)
+    stop = threading.Event()
+    flood_bytes = [0]
+
+    def flood() -> None:
+        end = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < end:
+            status, data = _post(a.address, {"Authorization": f"Bearer {TOKEN}"}, body)
+            assert status == 200
+            flood_bytes[0] += len(data)
+
+    flooders = [threading.Thread(target=flood) for _ in range(4)]
+    for t in flooders:
+        t.start()
+    try:
+        time.sleep(0.5)  # the flood under way
+        t0, s0 = time.monotonic(), a.client.stats()["peer_served_bytes"]
+        time.sleep(1.0)
+        t1, before = time.monotonic(), a.client.stats()["peer_served_bytes"]
+        idle_rate = (before - s0) / (t1 - t0)  # what A serves with no reads of its own
+        busy = read_all(own_b, cold_b)
+        during = a.client.stats()["peer_served_bytes"] - before
+    finally:
+        stop.set()
+        for t in flooders:
+            t.join(30)
+    rate = during / busy
+    print(f"A's own reads: {quiet:.2f} s quiet, {busy:.2f} s while serving peers at {rate / 2**20:.0f} MiB/s "
+          f"({idle_rate / 2**20:.0f} MiB/s with no reads of its own)")
+    assert during > 0 and flood_bytes[0] > 0, "the flood was not served while A read (serving must yield, not stop)"
+    assert rate <= 0.3 * idle_rate, "serving did not yield to A's own reads"
+    assert busy <= 1.5 * quiet + 0.3, f"A's own reads took {busy:.2f} s under a peer flood, {quiet:.2f} s without"
+
+
+def _chunks_of(registry, layer, rel: str):
+    """The chunks of file ``rel`` of a published layer, from its TOC (as a peer knows them)."""
+    from weenv.layerfmt import Layer
+    from weenv.registry import BlobReader, RemoteStore
+
+    store = RemoteStore(registry.host, insecure=True, credentials=None)
+    try:
+        return list(Layer.open(BlobReader(store, layer.repo, layer.layer_digest, layer.layer_size)).entry(rel).chunks)
+    finally:
+        store.close()

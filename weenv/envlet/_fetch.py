@@ -23,6 +23,7 @@ Rules this module keeps, whatever the tiers:
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ log = logging.getLogger("weenv.envlet")
 # that a store back up is used by the next read a person or program makes.
 FAILURE_MEMORY_S = 1.0
 _Answer = bytes | LayerError | BaseException | None
+_OWN = contextvars.ContextVar("weenv_fetch_own", default=False)  # set in get() for this node's own reads
 
 
 @dataclass
@@ -101,12 +103,25 @@ class Fetcher:
         self._foreground = 0
         self._foreground_idle = trio.Event()
         self._foreground_idle.set()
+        self._own_waits = 0  # own reads in a call of a tier with peer_serving_yields (see serving_yields)
+        self._own_waits_idle = trio.Event()
+        self._own_waits_idle.set()
         self._nursery: trio.Nursery | None = None
 
     @property
     def foreground_busy(self) -> bool:
         """Reads of this node are waiting for chunks (peer serving yields to them)."""
         return self._foreground > 0
+
+    @property
+    def serving_yields(self) -> bool:
+        """This node's own reads wait on a tier peer serving competes with (disk, registry): serve less."""
+        return self._own_waits > 0
+
+    async def own_waits_done(self) -> None:
+        """Return once no own read waits on such a tier (at once when none does)."""
+        while self._own_waits:
+            await self._own_waits_idle.wait()
 
     def attach(self, nursery: trio.Nursery) -> None:
         """Give the fetcher a nursery for background work (write-back, async read-ahead, prefetch)."""
@@ -121,7 +136,8 @@ class Fetcher:
     # ----------------------------------------------------------------- foreground
 
     async def get(self, src: LayerSource, chunks: Sequence[Chunk], path: str,
-                  readahead: Sequence[Chunk] = (), neighbors: Sequence[Chunk] = ()) -> list[bytes]:
+                  readahead: Sequence[Chunk] = (), neighbors: Sequence[Chunk] = (), *,
+                  own: bool = True) -> list[bytes]:
         """Verified bytes of ``chunks`` (in order).
 
         ``readahead`` (the rest of the file) is fetched along when a chunk misses and loaded in the
@@ -154,8 +170,10 @@ class Fetcher:
             return results  # type: ignore[return-value]
         m = self.metrics
         self._fail_fast(chunks, missing)
-        self._foreground += 1
-        self._foreground_idle = trio.Event() if self._foreground_idle.is_set() else self._foreground_idle
+        _OWN.set(own)  # this task's context (and its children's): get() runs in a task of its own
+        if own:
+            self._foreground += 1
+            self._foreground_idle = trio.Event() if self._foreground_idle.is_set() else self._foreground_idle
         try:
             with trio.fail_after(self.deadline_s):
                 waits: list[tuple[int, _InFlight]] = []
@@ -199,9 +217,10 @@ class Fetcher:
             self._remember_failure(chunks, missing, e)
             raise
         finally:
-            self._foreground -= 1
-            if self._foreground == 0:
-                self._foreground_idle.set()
+            if own:
+                self._foreground -= 1
+                if self._foreground == 0:
+                    self._foreground_idle.set()
         if readahead:
             self._readahead_async(src, readahead, path)
         return results  # type: ignore[return-value]
@@ -391,6 +410,11 @@ class Fetcher:
                             got[k] = e
             return got
 
+        own_wait = not background and tier.peer_serving_yields and _OWN.get()
+        if own_wait:
+            self._own_waits += 1
+            if self._own_waits_idle.is_set():
+                self._own_waits_idle = trio.Event()
         try:
             if not tier.blocking:
                 got = call()
@@ -402,18 +426,29 @@ class Fetcher:
                     async with limiter:
                         got = await trio.to_thread.run_sync(call, abandon_on_cancel=True)
         except Exception as e:
+            self._own_wait_end(own_wait)
             self.tier_stats[tier.name].errors += 1
             log.warning("layer %s: %s: %s tier failed for %d chunks at %d: %s", src.name, path, tier.name,
                         len(batch), batch[0].offset, e)
             for c in batch:
                 answers[c.digest] = e
             return
+        except BaseException:
+            self._own_wait_end(own_wait)
+            raise
+        self._own_wait_end(own_wait)
         for c, data in zip(batch, got):
             answers[c.digest] = data
         if background and tier.has(batch[0]) is None:  # fetched from off the node
             span = (batch[-1].offset + batch[-1].length - batch[0].offset if tier.merge_gap_bytes is not None
                     else sum(c.length for c in batch))
             self.metrics.inc("prefetch_bytes", span)
+
+    def _own_wait_end(self, own_wait: bool) -> None:
+        if own_wait:
+            self._own_waits -= 1
+            if self._own_waits == 0:
+                self._own_waits_idle.set()
 
     def _resolve(self, c: Chunk, data: bytes, idx: int) -> None:
         self._failures.pop(c.digest, None)

@@ -45,6 +45,10 @@ PIECE = 256 << 10
 MAX_CONNECTIONS = 256
 IDLE_S = 120.0
 REQUEST_S = 10.0
+# While this node's own reads wait for chunks, each piece for a peer first waits for them to finish,
+# this long at most: the node's reads go first, and a peer still gets a piece every YIELD_S (its
+# stall deadline, peer.stall_ms, is far longer).
+YIELD_S = 0.02
 
 
 class TokenBucket:
@@ -292,7 +296,7 @@ class PeerServer:
         not_asking = NOT_ASKING.set(frozenset([asker]) if asker else frozenset())
         try:
             with trio.move_on_after(self.options.fetch_timeout_s):
-                got = await self.envlet.fetcher.get(m.source, [c for _, c in chunks], "(for a peer)")
+                got = await self.envlet.fetcher.get(m.source, [c for _, c in chunks], "(for a peer)", own=False)
                 for (i, _), data in zip(chunks, got):
                     answers[i] = data
                 self.metrics.inc("peer_served_fetches", len(chunks))
@@ -307,8 +311,11 @@ class PeerServer:
         if not self.serving:
             raise _Drained()
         await self._bucket.take(n)
-        if self.envlet.fetcher.foreground_busy:  # our own reads wait: one peer piece at a time
+        fetcher = self.envlet.fetcher
+        if fetcher.serving_yields:  # our own reads wait (on disk, registry): they go first, then one piece
             async with self._lowprio:
+                with trio.move_on_after(YIELD_S):
+                    await fetcher.own_waits_done()
                 return await send()
         return await send()
 

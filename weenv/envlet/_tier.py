@@ -66,6 +66,9 @@ class ChunkTier(abc.ABC):
     max_concurrency: int | None = None
     merge_gap_bytes: int | None = None
     max_run_bytes: int | None = None
+    # while this node's own reads wait on this tier, serving chunks to peers yields (the peer tier:
+    # False — those reads wait on other nodes' serving, which yielding here would only slow down)
+    peer_serving_yields: bool = True
 
     @abc.abstractmethod
     def has(self, chunk: Chunk) -> bool | None:

@@ -217,6 +217,7 @@ class PeerTier(ChunkTier):
     name = "peer"
     blocking = True
     verified = False  # the fetcher verifies every chunk a peer sends (and tells us of a bad one)
+    peer_serving_yields = False  # reads waiting on peers: a rollout, where our serving is what others wait on
 
     def __init__(self, metrics: Metrics, options: PeerOptions):
         self.metrics = metrics
