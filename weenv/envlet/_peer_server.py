@@ -1,6 +1,7 @@
 """Serving this node's chunks to peer nodes (the other side of :mod:`._tier_peer`).
 
     POST /v1/chunks   Authorization: Bearer <cluster token>   X-Weenv-Layer: sha256:…   X-Weenv-Fetch: 1
+                      X-Weenv-From: <the asker's peer address>
     body: N × (chunk sha256, blob offset, compressed length, length, range start, range length)
     → 200, body: N × (int64 byte count or -1 when not held, the bytes)
 
@@ -17,9 +18,15 @@ operator gives (``--tier-option peer.listen=HOST:PORT``; tests use 127.0.0.1 and
 - Authenticated: the bearer token is compared in constant time (:func:`hmac.compare_digest`); a
   request without the right one gets 401 (counted as ``peer_refused``).
 - Bounded: at most ``peer.serve_bandwidth`` bytes/s (one token bucket over all peers) and
-  ``peer.serve_concurrency`` answers at once; while this node's own reads wait for chunks
-  (:attr:`Fetcher.foreground_busy`) peer answers go one piece at a time. A drained node
+  ``peer.serve_concurrency`` answers at once. This node's own reads go first: while one waits on its
+  disk or the registry (:attr:`Fetcher.serving_yields`) each piece for a peer waits for them up to
+  ``YIELD_S`` (20 ms), and pieces go one at a time. Reads waiting on peers and fetches made for a
+  peer do not count: in a rollout every node's reads wait on the others' serving. A drained node
   (``EnvletClient.set_peer_serving(False)``) answers 503 and cuts answers in progress.
+- No wait cycles: an owner fetching a region for a peer never asks that peer back (``X-Weenv-From``);
+  a fetch=1 request only ever goes to a node ranked higher for the region, and the fetcher resolves
+  each region's claims on their own (:meth:`ChunkTier.split`), so two nodes cannot each hold the
+  claim the other's request waits for.
 """
 
 from __future__ import annotations
