@@ -459,3 +459,18 @@ def test_a_fork_on_a_full_node_is_a_refusal_not_a_failure(private_daemon) -> Non
         assert env.exec(["true"]).exit_code == 0
         c.gc()
         assert c.snapshots() == []
+
+
+def test_every_test_the_fault_matrix_cites_exists():
+    """`make soak` runs the tests benchmarks/soak.py's FAULTS and EXISTING_FUZZ tables name and
+    publishes their results in docs/reliability.md: a renamed test must not silently drop its row
+    (pytest refuses the whole run on an id it cannot find)."""
+    from benchmarks import soak
+
+    ids = sorted({t.split("[")[0] for _, _, ts in soak.FAULTS for t in ts} | {t for _, t, _ in soak.EXISTING_FUZZ})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    collected = {line.split("[")[0] for line in r.stdout.splitlines() if "::" in line}
+    assert set(ids) <= collected, sorted(set(ids) - collected)
