@@ -68,6 +68,20 @@ def busybox_rootfs(tmp_path) -> str:
 # -- crun ----------------------------------------------------------------------------------------
 
 
+def runsc_skip_reason() -> str | None:
+    """Why runsc cannot run here, or None: only a host that truly cannot run it skips."""
+    from weenv.provision.runtime._hostcheck import detect_host
+
+    if os.geteuid() != 0:
+        return "needs root"
+    host = detect_host()
+    if host.runsc_path is None:
+        return "runsc is not installed (apt-get install runsc)"
+    if host.init_path is None:
+        return "needs catatonit (apt-get install catatonit)"
+    return None
+
+
 def require_crun() -> None:
     require_root()
     require_command("crun")
@@ -195,6 +209,7 @@ __all__ = [
     "make_busybox_rootfs",
     "require_crun",
     "require_v1_host",
+    "runsc_skip_reason",
     "start_env",
     "unique_root_name",
 ]

@@ -20,6 +20,7 @@ import pytest
 from weenv.testing import DOORS_SOURCE, PROBE_SOURCE, SHIPPED_DEVICES, attempts, device_plan
 
 from .fixtures_daemon import wait_for
+from .fixtures_runtime import runsc_skip_reason
 
 pytestmark = pytest.mark.integration
 
@@ -158,17 +159,6 @@ def doors_probe(tmp_path_factory) -> str:
     return _build(DOORS_SOURCE, str(tmp_path_factory.mktemp("doors") / "doors"))
 
 
-def _runsc_skip_reason() -> str | None:
-    from weenv.provision import detect_host
-
-    host = detect_host()
-    if host.runsc_path is None:
-        return "runsc is not installed (apt-get install runsc)"
-    if host.init_path is None:
-        return "needs catatonit (apt-get install catatonit)"
-    return None
-
-
 @pytest.fixture(scope="session")
 def device_lock(weenv_daemon) -> str:
     """A plan whose layer ships /opt/devices/kmsg (c 1 11) and /opt/devices/loop0 (b 7 0), 0666."""
@@ -178,7 +168,7 @@ def device_lock(weenv_daemon) -> str:
 def _lock_for(kind: str, device_lock: str, tmp_path) -> str:
     if kind == "crun":
         return device_lock
-    reason = _runsc_skip_reason()
+    reason = runsc_skip_reason()
     if reason:
         print(f"SKIP gVisor escape tests: {reason}")
         pytest.skip(reason)

@@ -10,7 +10,7 @@ import time
 import pytest
 import trio
 
-from tests.fixtures_runtime import require_crun, start_env
+from tests.fixtures_runtime import require_crun, runsc_skip_reason, start_env
 from weenv.provision._errors import ContainerError, ContainerNotFoundError, HostError, SpecError
 from weenv.provision.runtime._hostcheck import detect_host
 
@@ -19,21 +19,9 @@ def run(fn, *args):
     return trio.run(fn, *args)
 
 
-def _runsc_skip_reason() -> str | None:
-    """Why runsc cannot run here, or None: only a host that truly cannot run it skips."""
-    if os.geteuid() != 0:
-        return "needs root"
-    host = detect_host()
-    if host.runsc_path is None:
-        return "runsc is not installed (apt-get install runsc)"
-    if host.init_path is None:
-        return "needs catatonit (apt-get install catatonit)"
-    return None
-
-
 @pytest.fixture(scope="session")
 def gvisor_platform(tmp_path_factory) -> str:
-    reason = _runsc_skip_reason()
+    reason = runsc_skip_reason()
     if reason:
         print(f"SKIP gVisor tests: {reason}")
         pytest.skip(reason)
