@@ -133,20 +133,28 @@ def full_start(tmp: Path, proxy: ThrottleProxy, g, cmd: list[str]) -> tuple[floa
         shutil.rmtree(base, ignore_errors=True)
 
 
+def source_image(tmp: Path, quick: bool) -> tuple[Path, str]:
+    """The image tar cold starts are measured on, and its label: a busybox tree made in ``tmp``
+    (quick), or the cached Debian bookworm minbase + python3 tar."""
+    if quick:
+        root = busybox_tree(tmp / "bb")
+        source_tar = tmp / "bb.tar"
+        subprocess.run(["tar", "--numeric-owner", "-cf", str(source_tar), "-C", str(root), "."], check=True)
+        return source_tar, "busybox"
+    return debian_tar(include=("python3",)), "Debian bookworm minbase + python3"
+
+
 def main() -> None:
     args = arg_parser(__doc__ or "").parse_args()
     report = Report("envlet_lazy_start", "Cold start: lazy envlet vs full pull + extract", args.quick)
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root()) as t:
         tmp = Path(t)
+        source_tar, label = source_image(tmp, args.quick)
         if args.quick:
-            root = busybox_tree(tmp / "bb")
-            source_tar = tmp / "bb.tar"
-            subprocess.run(["tar", "--numeric-owner", "-cf", str(source_tar), "-C", str(root), "."], check=True)
-            cmd, repeat, profiles, label = SH_CMD, 1, PROFILES_QUICK, "busybox"
+            cmd, repeat, profiles = SH_CMD, 1, PROFILES_QUICK
         else:
-            source_tar = debian_tar(include=("python3",))
-            cmd, repeat, profiles, label = PY_CMD, 3, PROFILES_FULL, "Debian bookworm minbase + python3"
+            cmd, repeat, profiles = PY_CMD, 3, PROFILES_FULL
         lf = layer_file(source_tar)
         reg = start_registry(str(tmp / "registry"))
         try:

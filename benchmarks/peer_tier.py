@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 from weenv.envlet import EnvletProcess, StoreSpec
-from weenv.testing import busybox_tree, cache_root, debian_tar, start_registry, stop_registry
+from weenv.testing import cache_root, start_registry, stop_registry
 
 from ._throttle import ThrottleProxy
 from ._util import Report, arg_parser, median
-from .envlet_lazy_start import PY_CMD, SH_CMD, layer_file, run_until_output
+from .envlet_lazy_start import PY_CMD, SH_CMD, layer_file, run_until_output, source_image
 
 TOKEN = "peer-tier-benchmark-token"
 
@@ -136,14 +135,8 @@ def main() -> None:
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root()) as t:
         tmp = Path(t)
-        if args.quick:
-            root = busybox_tree(tmp / "bb")
-            source_tar = tmp / "bb.tar"
-            subprocess.run(["tar", "--numeric-owner", "-cf", str(source_tar), "-C", str(root), "."], check=True)
-            cmd, ks, label = SH_CMD, (1, 2), "busybox"
-        else:
-            source_tar = debian_tar(include=("python3",))
-            cmd, ks, label = PY_CMD, (1, 2, 4, 8), "Debian bookworm minbase + python3"
+        source_tar, label = source_image(tmp, args.quick)
+        cmd, ks = (SH_CMD, (1, 2)) if args.quick else (PY_CMD, (1, 2, 4, 8))
         lf = layer_file(source_tar)
         reg = start_registry(str(tmp / "registry"))
         try:
