@@ -30,6 +30,7 @@ COUNTERS = (
     ("read_errors", "FUSE reads answered with EIO"),
     ("fuse_reads", "FUSE read requests"),
     ("fuse_read_bytes", "bytes returned to FUSE reads"),
+    ("fuse_loop_wakeups", "times the FUSE loop was woken from a read of /dev/fuse with nothing to read"),
     ("peer_requests", "requests answered by peer nodes (the peer tier)"),
     ("peer_chunks", "chunks received from peer nodes (before verification)"),
     ("peer_bytes", "bytes received from peer nodes"),

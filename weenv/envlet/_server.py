@@ -58,6 +58,7 @@ from ._fs import EnvletFS
 from ._metrics import Metrics, start_prometheus
 from ._peer_server import PeerServer
 from ._tier_peer import PeerOptions
+from . import _wake
 from ._tree import LayerTree
 
 log = logging.getLogger("weenv.envlet")
@@ -459,11 +460,18 @@ class Envlet:
             log.warning("could not stat %s: %s", self.mountpoint, e)
         raise_read_ahead(self.mountpoint)
 
-    async def main(self, metrics_port: int | None = None) -> None:
+    def _woken(self) -> None:
+        self.metrics.inc("fuse_loop_wakeups")
+        log.warning("the FUSE loop slept in a read of /dev/fuse with nothing to read; woken (%d so far)",
+                    self.metrics.counters["fuse_loop_wakeups"])
+
+    async def main(self, metrics_port: int | None = None, watcher: _wake.LoopWatcher | None = None) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.fetcher.attach(nursery)
             nursery.start_soon(_terminate_on_signal)
+            if watcher is not None:
+                nursery.start_soon(watcher.report, self._woken)
             await self.restore_state()
             nursery.start_soon(self._tune_bdi)
             if metrics_port:
@@ -583,9 +591,14 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     if debug:
         options.add("debug")
     pyfuse3.init(EnvletFS(envlet), mountpoint, options)
+    # pyfuse3 reads /dev/fuse blocking after a readiness wait; a read left with nothing to read must
+    # not stall the loop until the next request (weenv/envlet/_wake.py)
+    _wake.install()
+    watcher = _wake.LoopWatcher(_wake.fuse_fds()).start()
     try:
-        trio.run(envlet.main, metrics_port)
+        trio.run(envlet.main, metrics_port, watcher)
     finally:
+        watcher.stop()  # before pyfuse3.close closes the descriptor it watches
         for sig in (signal.SIGTERM, signal.SIGINT):  # late signals must not interrupt the unmount
             signal.signal(sig, signal.SIG_IGN)
         pyfuse3.close(unmount=True)
