@@ -423,7 +423,8 @@ class GvisorRuntime(CrunRuntime):
         when the sandbox died under it (all of the env: e.g. the kernel's OOM kill at the env's hard
         memory limit, which under gVisor picks the sandbox, the one process holding the env's memory)."""
         if result.exit_code == 128 and _SANDBOX_GONE.search(result.stderr) and not result.timed_out:
-            raise ContainerError("the env's gVisor sandbox died while the command ran (killed at its memory limit?)",
+            raise ContainerError("the env's gVisor sandbox died while the command ran (at its memory max? under "
+                                 "gVisor, what the env writes to files is held in the sandbox's memory too)",
                                  env_id=env_id, detail=result.stderr.decode(errors="replace")[-2000:])
         if result.exit_code != 128 or _EXEC_FAILED not in result.stderr or result.timed_out:
             return result
