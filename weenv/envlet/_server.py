@@ -593,12 +593,18 @@ def serve(mountpoint: str, cache_dir: str, *, cache_size_bytes: int, memory_cach
     pyfuse3.init(EnvletFS(envlet), mountpoint, options)
     # pyfuse3 reads /dev/fuse blocking after a readiness wait; a read left with nothing to read must
     # not stall the loop until the next request (weenv/envlet/_wake.py)
-    _wake.install()
-    watcher = _wake.LoopWatcher(_wake.fuse_fds()).start()
+    watcher = None
+    fds = _wake.fuse_fds()
+    if fds:
+        _wake.install()
+        watcher = _wake.LoopWatcher(fds).start()
+    else:
+        log.warning("no /dev/fuse descriptor found after mounting: the FUSE loop watcher does not run")
     try:
         trio.run(envlet.main, metrics_port, watcher)
     finally:
-        watcher.stop()  # before pyfuse3.close closes the descriptor it watches
+        if watcher is not None:
+            watcher.stop()  # before pyfuse3.close closes the descriptor it watches
         for sig in (signal.SIGTERM, signal.SIGINT):  # late signals must not interrupt the unmount
             signal.signal(sig, signal.SIG_IGN)
         pyfuse3.close(unmount=True)

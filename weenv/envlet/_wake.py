@@ -21,6 +21,7 @@ byte per wake to a pipe the envlet reads (``fuse_loop_wakeups``), and ends with 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -28,6 +29,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+
+log = logging.getLogger("weenv.envlet")
 
 WAKE_SIGNAL = signal.SIGUSR2
 PERIOD_S = 0.05
@@ -120,6 +123,8 @@ class LoopWatcher:
             while data := await stream.receive_some(64):
                 for _ in data:
                     on_wake()
+        log.warning("the FUSE loop watcher (pid %d) ended while the envlet runs (exit %s): stalls are no "
+                    "longer woken", self.proc.pid, self.proc.poll())
 
     def stop(self) -> None:
         if self.proc is None:
