@@ -678,6 +678,96 @@ def test_weenv_cluster_serve_joins_through_a_ray_client_address(rw, gw):
         gw.start()
 
 
+def _one_env_per_node(rw, client):
+    """Three envs through the gateway, one on each node (0.9 cores guaranteed each: placement spreads them)."""
+    from weenv.cluster import node_of
+
+    envs = [client.create(rw.plan_bb, cpu="0.9-1") for _ in range(3)]
+    by_node = {node_of(e.id): e for e in envs}
+    if sorted(by_node) != rw.node_names():
+        for e in envs:
+            e.kill()
+        pytest.fail(f"the gateway did not put one env on each node: {[e.id for e in envs]}")
+    return by_node
+
+
+def _held_on(rw, snap: str) -> list[str]:
+    """The nodes whose daemon API (asked directly, with the cluster token) knows snapshot ``snap``."""
+    import weenv
+
+    held = []
+    for name in rw.node_names():
+        try:
+            weenv.Client(rw.cluster.report(name).node_api, token=TOKEN).snapshot(snap)
+        except weenv.ApiError as e:
+            assert e.status == 404, (name, e)
+            continue
+        held.append(name)
+    return held
+
+
+def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(rw, gw, monkeypatch):
+    # one snapshot on each node: at least two of them are not on the node the gateway lists first,
+    # and every other node's daemon answers 404 for them, so a call sent anywhere but home fails
+    e2b = pytest.importorskip("e2b")
+    import weenv
+    from weenv.cluster import node_of
+
+    monkeypatch.setenv("E2B_API_URL", gw.url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", gw.url)
+    monkeypatch.setenv("E2B_API_KEY", gw.keys["alice"])
+    monkeypatch.setenv("E2B_DOMAIN", "weenv.test")
+    client = gw.client()
+    envs = _one_env_per_node(rw, client)
+    try:
+        native, sdk = {}, {}
+        for node, e in envs.items():
+            e.exec(f"echo state-of-{node} > /root/state")
+            native[node] = e.commit()  # POST /v1/envs/{id}/commit: routed by env id
+            sdk[node] = e2b.Sandbox.create_snapshot(e.id).snapshot_id  # POST /sandboxes/{id}/snapshots
+        for node in envs:
+            assert _held_on(rw, native[node]) == [node] and _held_on(rw, sdk[node]) == [node]
+        listed = {s.snapshot_id for s in e2b.Sandbox.list_snapshots().next_items()}  # gathered from every node
+        assert set(sdk.values()) <= listed, listed
+        assert set(native.values()) | set(sdk.values()) <= {s["id"] for s in client.snapshots()}
+        for home in envs:
+            # weenv.Client: GET /v1/snapshots/{id}, a create from it, DELETE /v1/snapshots/{id}
+            snap = native[home]
+            assert client.snapshot(snap)["id"] == snap
+            child = client.create(snap)
+            try:
+                assert node_of(child.id) == home  # a node-local snapshot starts at home
+                assert child.exec("cat /root/state").stdout == f"state-of-{home}\n".encode()
+            finally:
+                child.kill()
+            client.delete_snapshot(snap)
+            assert _held_on(rw, snap) == []
+            with pytest.raises(weenv.ApiError) as gone:
+                client.snapshot(snap)
+            assert gone.value.status == 404
+            with pytest.raises(weenv.ApiError) as gone:  # its home's report may still list it: its daemon says
+                client.create(snap)
+            assert (gone.value.status, gone.value.kind) == (404, "snapshot_not_found"), gone.value
+            # the E2B SDK: Sandbox.create(snapshot id), delete_snapshot (DELETE /templates/{id})
+            snap = sdk[home]
+            sbx = e2b.Sandbox.create(snap, timeout=120)
+            try:
+                assert node_of(sbx.sandbox_id) == home
+                assert sbx.files.read("/root/state") == f"state-of-{home}\n"
+            finally:
+                sbx.kill()
+            assert e2b.Sandbox.delete_snapshot(snap) is True
+            assert _held_on(rw, snap) == []
+            assert e2b.Sandbox.delete_snapshot(snap) is False
+        with pytest.raises(weenv.ApiError) as nowhere:  # an admin key skips the owner check: no node holds it
+            gw.client("root").create("snap-000000000000")
+        assert (nowhere.value.status, nowhere.value.kind) == (404, "snapshot_not_found"), nowhere.value
+        assert "no node holds snapshot 'snap-000000000000'" in str(nowhere.value)
+    finally:
+        for e in envs.values():
+            e.kill()
+
+
 def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw, gw):
     import weenv
     from weenv.cluster import EnvLostError, NodeState, node_of

@@ -36,7 +36,7 @@ from .._client import AsyncClient
 from ..api._backend import Backend
 from ..api._common import HttpError
 from ._cluster import Cluster, join_ray
-from ._errors import ClusterError, EnvLostError, NodeLostError, PlacementError, UnknownEnvError
+from ._errors import AgentError, ClusterError, EnvLostError, NodeLostError, PlacementError, UnknownEnvError
 from ._placement import PlacementRequest, place_group, request_for
 
 log = logging.getLogger("weenv.cluster")
@@ -118,6 +118,8 @@ class _ClusterTransport(httpx.AsyncBaseTransport):
             nodes, req, ticket = await self.backend.placed(parsed if isinstance(parsed, dict) else {})
         except PlacementError as e:
             return _error(503, "not_admitted", str(e))
+        except HttpError as e:  # a snapshot no node holds (any more)
+            return _error(e.status, e.kind, e.message)
         cluster = self.backend.cluster
         last: httpx.Response | None = None
         for k, name in enumerate(nodes):
@@ -275,14 +277,23 @@ class ClusterBackend(Backend):
 
     def request_for_body(self, body: dict[str, Any]) -> PlacementRequest:
         """What placement needs of a create body: the lock's (or snapshot's) layers and minimums, with
-        the body's ``cpu`` / ``memory`` overrides (they are what the node admits)."""
+        the body's ``cpu`` / ``memory`` overrides (they are what the node admits). A snapshot no node
+        holds, or one its home's daemon no longer has (deleted since the home's last report), is an
+        HttpError 404 ``snapshot_not_found`` naming it."""
         plan, snapshot = _plan_of(body), body.get("snapshot")
         if snapshot is None and not (isinstance(plan, dict) and "lock_version" in plan):
             # a plan (not a lock): its tags resolve on the node; place by its minimums and load only
             res = plan.get("resources") if isinstance(plan, dict) else None
             req = request_for({"groups": [], "resources": res or {}})
         else:
-            req = self.cluster._request(plan, snapshot)[0]
+            try:
+                req = self.cluster._request(plan, snapshot)[0]
+            except AgentError as e:  # its home's report still lists it; the home's daemon answered
+                raise HttpError(e.status, e.kind, f"snapshot {snapshot!r} on node {e.node}: {e.message}") from None
+            except PlacementError as e:
+                if snapshot is None:
+                    raise
+                raise HttpError(404, "snapshot_not_found", str(e)) from None
         overrides = body.get("overrides") or {}
         if not isinstance(overrides, dict):
             return req
@@ -300,7 +311,8 @@ class ClusterBackend(Backend):
 
     async def placed(self, body: dict[str, Any]) -> tuple[list[str], PlacementRequest, int]:
         """The nodes to try for a create body, best first, its placement request, and the ticket
-        reserving the first node (:meth:`Cluster.place`; settle it). PlacementError: none admits."""
+        reserving the first node (:meth:`Cluster.place`; settle it). PlacementError: none admits;
+        HttpError 404: a snapshot no node holds."""
         import anyio.to_thread
 
         req = await anyio.to_thread.run_sync(self.request_for_body, body)  # a snapshot's detail: an agent call
