@@ -2,7 +2,13 @@
 directory tree that mimics cgroup2, and the in-memory fake.
 
 Every backend uses a parent named after this test process, and teardown kills and removes
-every group under it and then the parent itself, even when the test failed.
+every group under it and then the parent itself, even when the test failed, and even when the test
+run is ended by SIGTERM (``kill``, a job runner's stop): that is turned into an interrupt, which
+pytest answers by tearing every fixture down (a SIGTERM'd run used to leave its cgroups behind).
+
+On this host the memory hierarchy's parent sits below this process's own memory group
+(``/sys/fs/cgroup/memory/<own>/weenv-test-<pid>-v1``), deeper than the others
+(``/sys/fs/cgroup/cpu/weenv-test-<pid>-v1``): look for leftovers without a depth limit.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -232,6 +239,33 @@ class MimicCgroup2Fs(CgroupFs):
             self.put(d, name, value + "\n")
 
 
+# -- teardown on SIGTERM -------------------------------------------------------------------------
+
+
+def pytest_configure(config) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM ends the run as Ctrl-C does (teardown runs); a second SIGTERM kills at once."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return  # someone else handles it
+    owner = os.getpid()
+
+    def on_sigterm(signum, frame) -> None:  # type: ignore[no-untyped-def]
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() != owner:  # a forked child: die as it would have
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        # SIGINT's handler, called here (a raise_signal would only be seen after a blocking call
+        # this one interrupted resumes): trio's, inside trio.run, delivers it where it is safe to.
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt("SIGTERM: tearing the fixtures down")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 # -- backends ----------------------------------------------------------------------------------
 
 
@@ -248,9 +282,23 @@ def _cleanup(backend: CgroupBackend) -> None:
             group.remove(timeout_s=5.0)
         except Exception as exc:  # keep cleaning the others
             problems.append(f"{name}: {exc}")
-    if not backend.remove_parent():
-        problems.append(f"parent still holds {backend.list()}")
+    try:
+        if not backend.remove_parent():
+            problems.append(f"parent still holds {backend.list()}")
+    except Exception as exc:  # half removed: named by the error
+        problems.append(f"parent: {exc}")
     assert not problems, f"cgroup cleanup failed: {problems}"
+
+
+def left_behind(dirs: list[str]) -> list[str]:
+    """Of ``dirs`` (a group's or a parent's directory in each hierarchy), those still there, each
+    with what it holds: a leak is named per hierarchy where it happens."""
+    out = []
+    for d in dirs:
+        if os.path.isdir(d):
+            groups = sorted(e for e in os.listdir(d) if os.path.isdir(os.path.join(d, e)))
+            out.append(f"{d} (groups {groups})" if groups else d)
+    return out
 
 
 @pytest.fixture
@@ -260,9 +308,11 @@ def v1_backend() -> Iterator[CgroupBackend]:
     try:
         yield backend
     finally:
-        _cleanup(backend)
-        for d in backend.parent_dirs:  # type: ignore[attr-defined]
-            assert not os.path.exists(d), f"left behind {d}"
+        try:
+            _cleanup(backend)
+        finally:
+            left = left_behind(backend.parent_dirs)  # type: ignore[attr-defined]
+            assert not left, f"cgroup parent left behind in {len(left)} hierarchies: {left}"
 
 
 def _v2_real_backend() -> V2Backend:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from tests.fixtures_cgroups import require_v1_host, unique_root_name
+from tests.fixtures_cgroups import left_behind, require_v1_host, unique_root_name
 from tests.fixtures_common import require_command, require_root
 
 BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
@@ -130,8 +130,18 @@ def crun_runtime(tmp_path) -> Iterator:
 @pytest.fixture
 def env_cgroup(v1_backend):
     """A real v1 cgroup (memory, pids, cpu, cpuacct, freezer under this process's own groups)
-    for one env, limits off; removed (after a kill) by the backend fixture's teardown."""
-    return v1_backend.create("env")
+    for one env, limits off; teardown kills what is left in it, removes it and checks it is gone
+    from every hierarchy (naming those it is not), before the backend removes its parent."""
+    group = v1_backend.create("env")
+    yield group
+    try:
+        group.thaw()
+    except Exception:
+        pass  # a removed group or no freezer: the kill and the removal below still say what is wrong
+    group.kill_all()
+    group.remove(timeout_s=5.0)
+    left = left_behind([os.path.dirname(p) for p in group.procs_paths()])
+    assert not left, f"env cgroup left behind in {len(left)} hierarchies: {left}"
 
 
 class EnvHandle:

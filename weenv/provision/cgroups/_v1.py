@@ -365,11 +365,13 @@ class V1Cgroup(Cgroup):
         self._files.close()
         self._close_event_fds()
         deadline = time.monotonic() + timeout_s
+        removed: list[str] = []  # named when a later hierarchy fails: the group is then half gone
         for d in self._dirs:
             delay_s = 0.001
             while True:
                 try:
                     self._fs.rmdir(d)
+                    removed.append(d)
                     break
                 except FileNotFoundError:
                     break
@@ -379,11 +381,18 @@ class V1Cgroup(Cgroup):
                             raise exc from None
                     if time.monotonic() > deadline:
                         raise CgroupBusyError(
-                            f"processes {self.pids()} still inside after {timeout_s} s",
+                            f"processes {self.pids()} still inside after {timeout_s} s"
+                            + (f" (already removed: {', '.join(removed)})" if removed else ""),
                             group=self.name, path=d,
                         ) from exc
                     time.sleep(delay_s)
                     delay_s = min(delay_s * 2, 0.05)
+        # Every rmdir answered; a directory still there was made again meanwhile (a stale open()
+        # repairing the later hierarchies, another process): say so, never report it removed.
+        left = [d for d in self._dirs if self._fs.isdir(d)]
+        if left:
+            raise CgroupError(f"still present after removal in {len(left)} of {len(self._dirs)} hierarchies: "
+                              f"{', '.join(left)}", group=self.name, path=left[0])
 
 
 class V1Backend(CgroupBackend):
@@ -526,14 +535,24 @@ class V1Backend(CgroupBackend):
         if self.list():
             return False
         self._files.close()
+        removed: list[str] = []
         for d in self.parent_dirs:
             try:
                 self._fs.rmdir(d)
+                removed.append(d)
             except FileNotFoundError:
                 pass
             except OSError as exc:
-                if exc.errno == errno.EBUSY:
+                if exc.errno == errno.EBUSY and not removed:
                     return False
                 with translate_oserror(None, d):
-                    raise exc from None
+                    if not removed:
+                        raise exc from None
+                    # Gone from the earlier hierarchies, not from this one (a group made meanwhile,
+                    # or a process in the parent itself): half a parent, which a False would hide.
+                    raise OSError(exc.errno, f"{exc.strerror}; the parent is already gone from "
+                                  f"{', '.join(removed)}") from exc
+        left = [d for d in self.parent_dirs if self._fs.isdir(d)]
+        if left:
+            raise CgroupError(f"parent still present after removal: {', '.join(left)}", path=left[0])
         return True
