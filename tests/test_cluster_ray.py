@@ -759,10 +759,33 @@ def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(r
             assert e2b.Sandbox.delete_snapshot(snap) is True
             assert _held_on(rw, snap) == []
             assert e2b.Sandbox.delete_snapshot(snap) is False
+        root = gw.client("root")
         with pytest.raises(weenv.ApiError) as nowhere:  # an admin key skips the owner check: no node holds it
-            gw.client("root").create("snap-000000000000")
+            root.create("snap-000000000000")
         assert (nowhere.value.status, nowhere.value.kind) == (404, "snapshot_not_found"), nowhere.value
         assert "no node holds snapshot 'snap-000000000000'" in str(nowhere.value)
+        # a published snapshot starts on any node: off its home (past the load band of the empty
+        # nodes, with its 0.9-core env) from its published lock, its layers through the store
+        home = rw.node_names()[-1]
+        for node in [n for n in envs if n != home]:
+            envs.pop(node).kill()
+        snap = envs[home].commit()
+        rw.cluster.refresh()  # the test's own client finds its home in the reports
+        ref = rw.cluster.publish(snap)["ref"]
+        time.sleep(2.0)  # the gateway's reconciler (0.5 s polls) sees the home's report naming the ref
+        box, by_ref = None, None
+        try:
+            box = e2b.Sandbox.create(snap, timeout=120)  # by id, as E2B names it
+            assert node_of(box.sandbox_id) != home
+            assert box.files.read("/root/state") == f"state-of-{home}\n"
+            by_ref = root.get(root._request("POST", "/v1/envs", json={"snapshot": ref}).json()["id"])  # admin: a ref
+            assert node_of(by_ref.id) != home
+            assert by_ref.exec("cat /root/state").stdout == f"state-of-{home}\n".encode()
+        finally:
+            if box is not None:
+                box.kill()
+            if by_ref is not None:
+                by_ref.kill()
     finally:
         for e in envs.values():
             e.kill()

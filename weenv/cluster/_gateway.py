@@ -120,6 +120,8 @@ class _ClusterTransport(httpx.AsyncBaseTransport):
             return _error(503, "not_admitted", str(e))
         except HttpError as e:  # a snapshot no node holds (any more)
             return _error(e.status, e.kind, e.message)
+        import anyio.to_thread
+
         cluster = self.backend.cluster
         last: httpx.Response | None = None
         for k, name in enumerate(nodes):
@@ -129,7 +131,9 @@ class _ClusterTransport(httpx.AsyncBaseTransport):
             try:
                 try:
                     client = self.backend.node_client(name)
-                    resp = await self._send(client, request, body)
+                    moved = await anyio.to_thread.run_sync(self.backend.body_for, parsed, name) \
+                        if isinstance(parsed, dict) and isinstance(parsed.get("snapshot"), str) else None
+                    resp = await self._send(client, request, body if moved is None else msgspec.json.encode(moved))
                 except HttpError:
                     continue
                 except httpx.TransportError as e:
@@ -308,6 +312,21 @@ class ClusterBackend(Backend):
         except (ValueError, TypeError) as e:
             raise PlacementError(f"the create's overrides: {e}") from None
         return req
+
+    def body_for(self, body: dict[str, Any], node: str) -> dict[str, Any] | None:
+        """The create body ``node`` gets when it is not the client's: a published snapshot placed off
+        its home, or named by its ref (a daemon starts only from its own snapshot ids), starts from
+        its published lock, its layers through the store, as :meth:`Cluster.create` starts it.
+        None: the client's body as it came."""
+        snapshot = body.get("snapshot")
+        if not isinstance(snapshot, str):
+            return None
+        rec = self.cluster._published_record(snapshot)  # held since request_for_body read it
+        if rec is None or ("/" not in snapshot and rec.get("home") == node):
+            return None
+        moved = {k: v for k, v in body.items() if k != "snapshot"}
+        moved["plan"] = rec["lock"]
+        return moved
 
     async def placed(self, body: dict[str, Any]) -> tuple[list[str], PlacementRequest, int]:
         """The nodes to try for a create body, best first, its placement request, and the ticket
