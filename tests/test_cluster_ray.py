@@ -764,6 +764,11 @@ def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(r
             root.create("snap-000000000000")
         assert (nowhere.value.status, nowhere.value.kind) == (404, "snapshot_not_found"), nowhere.value
         assert "no node holds snapshot 'snap-000000000000'" in str(nowhere.value)
+        for bad, answer in ((f"{rw.registry_host}/ct/snaps:snap-000000000000", (404, "snapshot_not_found")),
+                            (f"{rw.registry_host}/ct/os:test", (400, "bad_request"))):  # not a snapshot's
+            with pytest.raises(weenv.ApiError) as refused:
+                root._request("POST", "/v1/envs", json={"snapshot": bad})
+            assert (refused.value.status, refused.value.kind) == answer and bad in str(refused.value), refused.value
         # a published snapshot starts on any node: off its home (past the load band of the empty
         # nodes, with its 0.9-core env) from its published lock, its layers through the store
         home = rw.node_names()[-1]

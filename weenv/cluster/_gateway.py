@@ -35,6 +35,7 @@ import msgspec
 from .._client import AsyncClient
 from ..api._backend import Backend
 from ..api._common import HttpError
+from ..registry import NotFoundError, RefError
 from ._cluster import Cluster, join_ray
 from ._errors import AgentError, ClusterError, EnvLostError, NodeLostError, PlacementError, UnknownEnvError
 from ._placement import PlacementRequest, place_group, request_for
@@ -282,8 +283,8 @@ class ClusterBackend(Backend):
     def request_for_body(self, body: dict[str, Any]) -> PlacementRequest:
         """What placement needs of a create body: the lock's (or snapshot's) layers and minimums, with
         the body's ``cpu`` / ``memory`` overrides (they are what the node admits). A snapshot no node
-        holds, or one its home's daemon no longer has (deleted since the home's last report), is an
-        HttpError 404 ``snapshot_not_found`` naming it."""
+        holds, one its home's daemon no longer has (deleted since the home's last report), or a ref
+        the store does not have, is an HttpError 404 ``snapshot_not_found`` naming it."""
         plan, snapshot = _plan_of(body), body.get("snapshot")
         if snapshot is None and not (isinstance(plan, dict) and "lock_version" in plan):
             # a plan (not a lock): its tags resolve on the node; place by its minimums and load only
@@ -298,6 +299,10 @@ class ClusterBackend(Backend):
                 if snapshot is None:
                     raise
                 raise HttpError(404, "snapshot_not_found", str(e)) from None
+            except NotFoundError as e:  # a ref the cluster's store does not have
+                raise HttpError(404, "snapshot_not_found", f"published snapshot {snapshot!r}: {e}") from None
+            except (ClusterError, RefError) as e:  # not a snapshot ref, or not a weenv snapshot's manifest
+                raise HttpError(400, "bad_request", f"snapshot {snapshot!r}: {e}") from None
         overrides = body.get("overrides") or {}
         if not isinstance(overrides, dict):
             return req
