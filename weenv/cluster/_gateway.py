@@ -13,7 +13,8 @@ unchanged: one set of API keys (the gateway's ``$WEENV_HOME/api``), one routing 
   :class:`_ClusterTransport`): ``POST /v1/envs`` is placed from its body (the plan's layers and
   minimums -> ranked nodes -> the first that admits; a node answering 503 ``not_admitted``, its
   state moved since its report, is skipped for the next); lists and metrics gather every node's;
-  a snapshot's calls go to the node that holds it.
+  a snapshot's calls go to the node that holds it (its home in the node reports), and a create from
+  a published snapshot placed off its home gets the snapshot's published lock instead of its id.
 - Env ports (E2B's ``get_host``, ``/proxy/{id}/{port}``): the app's port tunnel is opened on the
   env's node through the same per-node client (weenv/api/_proxy.py speaks to a daemon's TCP API
   with the client's ``Authorization``), so the node API's token gate applies to it too.
