@@ -791,6 +791,7 @@ def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(r
                 box.kill()
             if by_ref is not None:
                 by_ref.kill()
+        client.delete_snapshot(snap)  # its home's copy (the published one stays in the store)
     finally:
         for e in envs.values():
             e.kill()
