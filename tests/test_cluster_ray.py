@@ -777,10 +777,18 @@ def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(r
         snap = envs[home].commit()
         rw.cluster.refresh()  # the test's own client finds its home in the reports
         ref = rw.cluster.publish(snap)["ref"]
-        time.sleep(2.0)  # the gateway's reconciler (0.5 s polls) sees the home's report naming the ref
         box, by_ref = None, None
         try:
-            box = e2b.Sandbox.create(snap, timeout=120)  # by id, as E2B names it
+            # until the gateway's reconciler (0.5 s polls) sees the home's report naming the ref, a
+            # create from the id can only go to the home: retry (bounded) until it lands elsewhere
+            deadline = time.monotonic() + 20
+            while True:
+                box = e2b.Sandbox.create(snap, timeout=120)  # by id, as E2B names it
+                if node_of(box.sandbox_id) != home or time.monotonic() > deadline:
+                    break
+                box.kill()
+                box = None
+                time.sleep(0.5)
             assert node_of(box.sandbox_id) != home
             assert box.files.read("/root/state") == f"state-of-{home}\n"
             by_ref = root.get(root._request("POST", "/v1/envs", json={"snapshot": ref}).json()["id"])  # admin: a ref
