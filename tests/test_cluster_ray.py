@@ -416,7 +416,8 @@ class Gateway:
         env = {**os.environ, "WEENV_HOME": str(self.home), "WEENV_CLUSTER_TOKEN": TOKEN}
         self.proc = subprocess.Popen([sys.executable, "-m", "weenv", "cluster", "serve", "--ray-address", self.address,
                                       "--listen", f"127.0.0.1:{self.port}", "--node-ip", "127.0.0.1",
-                                      "--domain", "weenv.test", "--report-interval", "0.5"], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                      "--domain", "weenv.test", "--report-interval", "0.5",
+                                      "--store", f"{self.rw.registry_host}/ct/snaps"], env=env, stdin=subprocess.DEVNULL, stdout=log,
                                      stderr=log, start_new_session=True)
         log.close()
         deadline = time.monotonic() + 60
@@ -803,6 +804,39 @@ def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(r
     finally:
         for e in envs.values():
             e.kill()
+
+
+def test_a_fork_through_the_gateway_spreads_when_the_envs_node_cannot_take_every_child(rw, gw):
+    import weenv
+    from weenv.cluster import node_of
+
+    client = gw.client()
+    src = client.create(rw.plan_bb, cpu="0.9-1")  # a node (2 cores) guarantees two of these
+    home, kids = node_of(src.id), []
+    try:
+        src.exec("echo fork-state > /root/state")
+        kids = src.fork(1, keep=True)  # the home admits one more: the node's own fork
+        assert [node_of(k.id) for k in kids] == [home]
+        t0 = time.monotonic()
+        kids += src.fork(3, keep=True)  # the home is full: the node alone refuses the fork
+        print(f"gateway fork of 3 spread in {time.monotonic() - t0:.1f} s:", [k.id for k in kids[1:]])
+        nodes = [node_of(k.id) for k in kids[1:]]
+        assert len(nodes) == 3 and home not in nodes and len(set(nodes)) == 2, (home, nodes)
+        for k in kids:  # routed by the gateway to each child's node
+            assert k.exec("cat /root/state").stdout == b"fork-state\n", k.id
+            assert client.get(k.id).id == k.id
+        # more children than the cluster guarantees: a 503 saying how many fit and why, none left behind
+        t0 = time.monotonic()
+        with pytest.raises(weenv.ApiError) as err:
+            src.fork(9, keep=True)
+        print(f"gateway fork of 9 refused in {time.monotonic() - t0:.1f} s: {err.value}")
+        assert err.value.status == 503 and "only" in str(err.value) and "of 9" in str(err.value), err.value
+        rw.cluster.refresh()
+        assert {e["id"] for e in client.list()} == {src.id, *(k.id for k in kids)}
+    finally:
+        for k in kids:
+            k.kill()
+        src.kill()
 
 
 def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw, gw):

@@ -681,6 +681,11 @@ class Cluster:
             self._snapshot_home.pop(snapshot, None)
 
     def fork(self, env: ClusterEnv, n: int) -> list[ClusterEnv]:
+        return self.fork_group(env, n)[1]
+
+    def fork_group(self, env: ClusterEnv, n: int) -> tuple[str, list[ClusterEnv]]:
+        """:meth:`fork`, with the snapshot the children start from (the gateway answers both, as a
+        node's ``POST /v1/envs/{id}/fork`` does). All or none: a failure kills the started children."""
         if not 1 <= n <= 1024:
             raise ClusterError(f"fork needs 1 <= n <= 1024, got {n}")
         snap = env._call("POST", f"/v1/envs/{env.id}/commit", json={})["snapshot"]
@@ -710,7 +715,7 @@ class Cluster:
                 except Exception:
                     pass
             raise
-        return children
+        return snap, children
 
 
 def require_ray_client(address: str) -> None:

@@ -15,6 +15,10 @@ unchanged: one set of API keys (the gateway's ``$WEENV_HOME/api``), one routing 
   state moved since its report, is skipped for the next); lists and metrics gather every node's;
   a snapshot's calls go to the node that holds it (its home in the node reports), and a create from
   a published snapshot placed off its home gets the snapshot's published lock instead of its id.
+- Forks (``POST /v1/envs/{id}/fork``) go to the env's node; when it refuses them for its room (503
+  ``not_admitted``), they are spread as :meth:`Cluster.fork` spreads them (``fork_group``: the
+  home takes what it admits, the rest start on other nodes from the snapshot published to the
+  store), answered in the node's shape; when the cluster cannot take them all, none is started.
 - Env ports (E2B's ``get_host``, ``/proxy/{id}/{port}``): the app's port tunnel is opened on the
   env's node through the same per-node client (weenv/api/_proxy.py speaks to a daemon's TCP API
   with the client's ``Authorization``), so the node API's token gate applies to it too.
@@ -166,6 +170,13 @@ def _kind(resp: httpx.Response) -> str:
         return ""
 
 
+def _message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status_code}"
+
+
 def _answer(status: int, content_type: str, body: bytes) -> httpx.Response:
     """A transport's answer: a stream (the app relays it raw), not pre-read content."""
     headers = {"content-type": content_type, "content-length": str(len(body))} if content_type else \
@@ -191,14 +202,39 @@ class _NodeTransport(httpx.AsyncHTTPTransport):
         self.backend, self.node = backend, node
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        resp = await super().handle_async_request(request)
         path, method = request.url.path, request.method
+        parts = path.split("/")
+        if method == "POST" and len(parts) == 5 and parts[2] == "envs" and parts[4] == "fork":
+            return await self._fork(request, parts[3])
+        resp = await super().handle_async_request(request)
         if resp.status_code < 300 and ((method == "DELETE" and path.startswith("/v1/envs/") and path.count("/") == 3)
-                                       or (method == "POST" and path.endswith(("/fork", "/commit")))):
+                                       or (method == "POST" and path.endswith("/commit"))):
             import anyio.to_thread
 
             await anyio.to_thread.run_sync(self.backend.cluster.refresh_node, self.node)
         return resp
+
+    async def _fork(self, request: httpx.Request, env_id: str) -> httpx.Response:
+        """A fork: the env's node forks it when it admits every child (the node's answer as it is);
+        when it refuses (503 ``not_admitted``), :meth:`Cluster.fork_group` places the children, those
+        the node admits there, the rest on other nodes from the snapshot published to the store."""
+        import anyio.to_thread
+
+        body = await request.aread()  # kept: the node's call below sends it
+        resp = await super().handle_async_request(request)
+        if resp.status_code < 300:
+            await anyio.to_thread.run_sync(self.backend.cluster.refresh_node, self.node)
+        if resp.status_code != 503:
+            return resp
+        await resp.aread()
+        await resp.aclose()
+        if _kind(resp) != "not_admitted":
+            return _wrap(resp)
+        try:
+            n = msgspec.json.decode(body).get("n", 1) if body else 1
+        except (msgspec.DecodeError, AttributeError):
+            return _wrap(resp)  # the node read it: not a body it refused for its room
+        return await self.backend.fork(env_id, self.node, n, resp)
 
 
 class ClusterBackend(Backend):
@@ -349,6 +385,35 @@ class ClusterBackend(Backend):
             await anyio.to_thread.run_sync(lambda: place_group(self.cluster._current_view(), req, 1))
             raise PlacementError("no node admits the env")  # place_group raised already, unless the view moved
         return nodes, req, ticket
+
+    async def fork(self, env_id: str, node: str, n: int, refused: httpx.Response) -> httpx.Response:
+        """The fork of ``env_id`` (on ``node``, which ``refused`` it for its room) spread over the
+        cluster as :meth:`Cluster.fork_group` spreads it; answered as a node answers a fork (201
+        ``{snapshot, envs}``), or as a 503 ``not_admitted`` saying how many children the nodes take
+        and why not the rest (none is left: all or none, as on one node)."""
+        import anyio.to_thread
+
+        from ._cluster import ClusterEnv
+
+        cluster = self.cluster
+        env = ClusterEnv(cluster, {"id": env_id}, node)
+        try:
+            snap, children = await anyio.to_thread.run_sync(cluster.fork_group, env, n)
+        except PlacementError as e:
+            why = "" if cluster.store is not None else \
+                " (the gateway has no --store: the children cannot start off the env's node)"
+            log.info("fork of %s x%d: %s%s", env_id, n, e, why)
+            return _error(503, "not_admitted", f"fork of {n} from env {env_id}: node {node} refused "
+                          f"({_message(refused)}); over the cluster: {e}{why}")
+        except AgentError as e:
+            return _error(e.status, e.kind, f"fork of {n} from env {env_id}: node {e.node}: {e.message}")
+        except (NodeLostError, EnvLostError) as e:
+            return _error(503, "node_lost", f"fork of {n} from env {env_id}: {e}")
+        except ClusterError as e:
+            return _error(400, "bad_request", f"fork of {n} from env {env_id}: {e}")
+        log.info("fork of %s x%d spread: %s", env_id, n, ", ".join(f"{c.id}@{c.node}" for c in children))
+        return _answer(201, "application/json",
+                       msgspec.json.encode({"snapshot": snap, "envs": [c.info for c in children]}))
 
     async def created(self, node: str, env_id: str) -> None:
         """Route the new env at once, and let the next placement see it (a fresh report of its node)."""
