@@ -189,8 +189,19 @@ def test_an_env_whose_plan_is_cached_on_b_lands_on_b(rw):
         rep = c.report(b)
         task_digest = rw.plan_bt["groups"][1]["layer_digest"]
         assert task_digest in {x.digest for x in rep.layers}
+        # what is asked: cached bytes win among nodes in the load band. CPU the envs just spent
+        # starting (the last 200 ms tick, in b's report) can put b out of the band for a moment on
+        # a loaded machine, and that is placement working: wait (bounded) for the nodes to be idle
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            c.refresh()
+            if all(c.report(n).capacity.cpu_used_cores < 0.1 for n in rw.node_names()):
+                break
+            time.sleep(0.2)
+        print("idle wait:", round(15 - (deadline - time.monotonic()), 2), "s;",
+              {n: round(c.report(n).capacity.cpu_used_cores, 3) for n in rw.node_names()})
         env = c.create(rw.plan_bt)
-        assert env.node == b
+        assert env.node == b, {n: c.report(n).capacity for n in rw.node_names()}
         assert env.exec("wc -c < /task/data.bin").stdout.decode().strip() == str(256 << 10)
         env.write_file("/root/in.txt", b"through the agent\n", mode=0o600)
         assert env.read_file("/root/in.txt") == b"through the agent\n"
@@ -622,8 +633,15 @@ def _outside_the_cluster(code: str) -> str:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    for attempt in range(3):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+        # Ray's own client server could not start the server it runs per client (seen once in CI
+        # under load; its log goes with the cluster): Ray's infrastructure, not weenv: try again
+        if out.returncode == 0 or "Starting Ray client server failed" not in out.stderr or attempt == 2:
+            break
+        print(f"Ray's client server failed to start a server for this client (attempt {attempt + 1}); again")
+        time.sleep(2)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
