@@ -535,14 +535,19 @@ def test_the_gateway_places_creates_and_routes_exec_files_and_kill_by_env_id(rw,
         client.get(envs[0].id)
 
 
-def test_the_e2b_sdk_through_the_gateway(rw, gw, monkeypatch):
-    e2b = pytest.importorskip("e2b")
-    from weenv.cluster import node_of
-
+def _e2b_through(gw, monkeypatch) -> None:
+    """The unmodified E2B SDK pointed at the gateway, as alice."""
     monkeypatch.setenv("E2B_API_URL", gw.url)
     monkeypatch.setenv("E2B_SANDBOX_URL", gw.url)
     monkeypatch.setenv("E2B_API_KEY", gw.keys["alice"])
     monkeypatch.setenv("E2B_DOMAIN", "weenv.test")
+
+
+def test_the_e2b_sdk_through_the_gateway(rw, gw, monkeypatch):
+    e2b = pytest.importorskip("e2b")
+    from weenv.cluster import node_of
+
+    _e2b_through(gw, monkeypatch)
     sbx = e2b.Sandbox.create("bb", timeout=120)
     try:
         assert node_of(sbx.sandbox_id) in rw.node_names()
@@ -576,10 +581,7 @@ def test_env_ports_through_the_gateway_reach_servers_in_envs_on_every_node(rw, g
 
     from weenv.cluster import node_of
 
-    monkeypatch.setenv("E2B_API_URL", gw.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", gw.url)
-    monkeypatch.setenv("E2B_API_KEY", gw.keys["alice"])
-    monkeypatch.setenv("E2B_DOMAIN", "weenv.test")
+    _e2b_through(gw, monkeypatch)
     for name in rw.node_names():  # every node holds the plan: then small envs spread by env count
         rw.cluster.create(rw.plan_bb, node=name).kill()
     time.sleep(2.0)  # the gateway's reconciler (0.5 s reports) sees the nodes' new reports
@@ -732,10 +734,7 @@ def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(r
     import weenv
     from weenv.cluster import node_of
 
-    monkeypatch.setenv("E2B_API_URL", gw.url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", gw.url)
-    monkeypatch.setenv("E2B_API_KEY", gw.keys["alice"])
-    monkeypatch.setenv("E2B_DOMAIN", "weenv.test")
+    _e2b_through(gw, monkeypatch)
     client = gw.client()
     envs = _one_env_per_node(rw, client)
     try:
