@@ -281,6 +281,32 @@ def test_a_layer_registered_twice_and_a_chunk_shared_by_two_layers_are_fetched_o
         envlet.client.unregister(ia.name)
 
 
+def test_a_layer_is_gone_from_the_mount_when_its_last_unregister_returns(tmp_path, envlet):
+    # CI saw the old path still there: the kernel was told to forget it from a queue, after the
+    # answer. Each round looks the name up (the kernel caches it), unregisters and looks again at
+    # once, while other callers keep the envlet's loop busy, as a node's daemon does.
+    layer = build_layer_file(make_tree(tmp_path / "a", f("x", b"x")), str(tmp_path / "a.l"))
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            envlet.client.stats()
+
+    hogs = [threading.Thread(target=busy, daemon=True) for _ in range(3)]
+    for t in hogs:
+        t.start()
+    try:
+        for round_ in range(150):
+            info = layer.register(envlet)
+            assert os.path.isfile(os.path.join(info.path, "x"))
+            envlet.client.unregister(info.name)
+            assert not os.path.exists(info.path), f"round {round_}: {info.path} still there"
+    finally:
+        stop.set()
+        for t in hogs:
+            t.join()
+
+
 def test_l2_stays_within_its_bound_and_a_corrupted_l2_file_is_detected(tmp_path, envlet_factory):
     blobs = {f"f{i:02}": os.urandom(200_000) for i in range(30)}  # 6 MB working set
     src = make_tree(tmp_path / "src", *[f(k, v) for k, v in blobs.items()])

@@ -54,7 +54,7 @@ from ._extract import extract_layer
 from ._fair import MAX_FUSE_TASKS, EnvResolver, FairShare
 from ._fetch import Fetcher, LayerSource
 from ._tier import DEFAULT_TIERS, TierConfig, TierConfigError, load_tiers
-from ._fs import EnvletFS
+from ._fs import ROOT_TIMEOUT_S, EnvletFS
 from ._metrics import Metrics, start_prometheus
 from ._peer_server import PeerServer
 from ._tier_peer import PeerOptions
@@ -63,6 +63,7 @@ from ._tree import LayerTree
 
 log = logging.getLogger("weenv.envlet")
 NAME_LEN = 12
+_FORGET_BOUND_S = 10.0  # how long an unregister waits for the kernel to drop the layer's root entry
 
 
 @dataclass
@@ -148,6 +149,7 @@ class Envlet:
         self.readahead_bytes = readahead_bytes
         self.neighbor_bytes = neighbor_bytes
         self.metrics = Metrics()
+        self._fuse_live = False  # pyfuse3 is mounted and serving: kernel notices can be sent
         self.fair = FairShare(enabled=fair, share_cores=fair_share_cores, resolver=EnvResolver(env_cgroup))
         self.deadline_s = deadline_s
         config = TierConfig(self.metrics, cache_dir=self.cache_dir, cache_size_bytes=cache_size_bytes,
@@ -289,15 +291,36 @@ class Envlet:
             if m is None:
                 raise KeyError(name)
             m.refcount -= 1
-            if m.refcount <= 0:
+            gone = m.refcount <= 0
+            if gone:
                 del self.by_name[name]
                 del self.by_slot[m.slot]
-                try:
-                    pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, name.encode(), ignore_enoent=True)
-                except Exception:  # not mounted (tests of the model alone)
-                    pass
                 log.info("unregistered layer %s", name)
             self._save_state()
+        if gone and self._fuse_live:
+            await self._forget_root_entry(name)
+
+    async def _forget_root_entry(self, name: str) -> None:
+        """Make the kernel forget ``/<name>`` before the caller hears the layer is gone.
+
+        pyfuse3's ``invalidate_entry_async`` only queues the notice: a caller that looked right
+        after could still find the layer in the dentry cache (for up to ROOT_TIMEOUT_S). The
+        notice blocks while a lookup in the root is being answered, so it is sent from a worker
+        thread, outside the register lock, while this loop goes on answering."""
+        def forget() -> None:
+            try:
+                pyfuse3.invalidate_entry(pyfuse3.ROOT_INODE, name.encode())
+            except OSError as e:
+                if e.errno != errno.ENOENT:  # ENOENT: the kernel never looked the name up
+                    raise
+        with trio.move_on_after(_FORGET_BOUND_S) as scope:
+            try:
+                await trio.to_thread.run_sync(forget, abandon_on_cancel=True)
+            except OSError as e:
+                log.warning("layer %s: the kernel was not told to forget it: %s", name, e)
+        if scope.cancelled_caught:
+            log.warning("layer %s: the kernel did not forget it within %.0f s; it expires in %.0f s",
+                        name, _FORGET_BOUND_S, ROOT_TIMEOUT_S)
 
     # ------------------------------------------------------------------ state
 
@@ -486,7 +509,11 @@ class Envlet:
             await nursery.start(self.serve_control)
             log.info("envlet serving %s (control %s)", self.mountpoint, self.control_socket)
             # waiting requests (an env over its fair share) hold a task each: room for them and the rest
-            await pyfuse3.main(min_tasks=4, max_tasks=MAX_FUSE_TASKS)
+            self._fuse_live = True
+            try:
+                await pyfuse3.main(min_tasks=4, max_tasks=MAX_FUSE_TASKS)
+            finally:
+                self._fuse_live = False
             nursery.cancel_scope.cancel()
 
 
