@@ -727,6 +727,38 @@ def _held_on(rw, snap: str) -> list[str]:
     return held
 
 
+def test_a_snapshot_made_outside_the_gateway_is_found_before_its_home_reports_it(rw, gw):
+    # committed on each node's own daemon API (not through the gateway, nor through the agent, which
+    # would report at once): no report names the snapshot yet, so the gateway must ask the nodes.
+    # Two of the three homes are not the node the gateway sends unknown snapshots to by default.
+    import weenv
+    from weenv.cluster import node_of
+
+    client = gw.client()
+    root = gw.client("root")
+    envs = _one_env_per_node(rw, client)
+    try:
+        for home, e in envs.items():
+            e.exec(f"echo made-on-{home} > /root/state")
+            direct = weenv.Client(rw.cluster.report(home).node_api, token=TOKEN)
+            snap = direct.get(e.id).commit()
+            assert root.snapshot(snap)["id"] == snap  # GET /v1/snapshots/{id} through the gateway
+            child = root.create(snap)
+            try:
+                assert node_of(child.id) == home
+                assert child.exec("cat /root/state").stdout == f"made-on-{home}\n".encode()
+            finally:
+                child.kill()
+            root.delete_snapshot(snap)
+            assert _held_on(rw, snap) == []
+        with pytest.raises(weenv.ApiError) as nowhere:  # asked every node: none holds it
+            root.snapshot("snap-000000000000")
+        assert nowhere.value.status == 404
+    finally:
+        for e in envs.values():
+            e.kill()
+
+
 def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(rw, gw, monkeypatch):
     # one snapshot on each node: at least two of them are not on the node the gateway lists first,
     # and every other node's daemon answers 404 for them, so a call sent anywhere but home fails

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconcil
 from ._report import NodeReport, node_of, peer_tables
 
 log = logging.getLogger("weenv.cluster")
+_SNAPSHOT_ID = re.compile(r"snap-[A-Za-z0-9._-]{1,59}")  # the ids daemons make (new_snapshot_id)
+_ASK_SNAPSHOT_S = 5.0  # how long a node may take to say whether it holds a snapshot no report names
 
 PENDING_TTL_S = 60.0  # an env placed but never seen in its node's report stops counting after this
 
@@ -567,8 +570,23 @@ class Cluster:
                            snapshot_local=True), {"snapshot": snapshot}
 
     def _find_snapshot(self, snap: str) -> str | None:
-        for r in self.reconciler.reports():
+        """The node holding snapshot id ``snap``: from the reports, else by asking every node (a
+        snapshot made since its home last reported, or by a client outside the cluster)."""
+        reports = self.reconciler.reports()
+        for r in reports:
             if any(s.id == snap for s in r.snapshots):
+                return r.node
+        if not _SNAPSHOT_ID.fullmatch(snap):  # not an id a daemon makes: nothing to ask for
+            return None
+        for r in reports:
+            try:
+                status, _, _ = self._client(r.node).request("GET", f"/v1/snapshots/{snap}",
+                                                             timeout_s=_ASK_SNAPSHOT_S)
+            except Exception as e:  # a lost node, or its daemon not answering: the others may hold it
+                log.warning("asking node %s for snapshot %s: %s: %s", r.node, snap, type(e).__name__, e)
+                continue
+            if status == 200:
+                self._note_snapshot(snap, r.node)
                 return r.node
         return None
 

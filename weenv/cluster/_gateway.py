@@ -99,7 +99,9 @@ class _ClusterTransport(httpx.AsyncBaseTransport):
         target = nodes[0][1]
         parts_ = path.split("/")
         if len(parts_) > 3 and parts_[2] == "snapshots":
-            home = self.backend.snapshot_home(parts_[3])
+            import anyio.to_thread
+
+            home = await anyio.to_thread.run_sync(self.backend.snapshot_home, parts_[3])  # may ask the nodes
             target = dict(nodes).get(home, target) if home else target
         elif len(parts_) > 3 and parts_[2] == "envs":
             target = self.backend.for_env(parts_[3])
