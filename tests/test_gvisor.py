@@ -301,6 +301,26 @@ def test_plan_runtime_field_and_its_refusals():
     assert load_text('runtime = "gvisor"\nnetwork = "loopback"\n' + base).network == "loopback"
 
 
+def test_a_gvisor_plan_whose_disk_its_memory_cannot_hold_is_refused_naming_both():
+    # gVisor keeps what an env writes in the sandbox's memory: 240 MiB of files at a 256 MiB max
+    # killed the sandbox (224 MiB ran on); such a plan is refused, not started to die
+    from weenv.plan import PlanValidationError, apply_overrides, load_text
+
+    base = 'name = "p"\n[[groups]]\nname = "os"\nref = "localhost:5000/os:1"\nclass = "os"\n'
+    sized = base + '[resources]\ndisk = "{disk}"\n[resources.memory]\nmin = "64MiB"\nmax = "256MiB"\n'
+    assert load_text('runtime = "gvisor"\n' + sized.format(disk="224MiB")).resources.disk == 224 << 20
+    assert load_text(sized.format(disk="1GiB")).resources.disk == 1 << 30  # crun: disk is on the host disk
+    assert load_text('runtime = "gvisor"\n' + base).runtime == "gvisor"  # defaults: 1 GiB disk, 2 GiB max
+    with pytest.raises(PlanValidationError) as refused:
+        load_text('runtime = "gvisor"\n' + sized.format(disk="240MiB"))
+    text = str(refused.value)
+    assert "resources.disk" in text and "240MiB" in text and "256MiB" in text and "(here 224MiB)" in text, text
+    fits = load_text('runtime = "gvisor"\n' + sized.format(disk="200MiB"))
+    with pytest.raises(PlanValidationError, match=r"resources\.disk.*memory max 128MiB"):
+        apply_overrides(fits, memory="128MiB")  # an override that shrinks memory under the disk
+    assert apply_overrides(fits, memory="1GiB").resources.memory.max == 1 << 30
+
+
 # -- through a real daemon: plan runtime = "gvisor" ----------------------------------------------
 
 
@@ -315,6 +335,21 @@ def _gvisor_lock(daemon, tmp_path, extra: str = "") -> str:
     path = tmp_path / "gvisor.lock.toml"
     path.write_text(f'runtime = "gvisor"\n{extra}' + text)
     return str(path)
+
+
+def test_the_daemon_refuses_a_gvisor_create_whose_memory_override_cannot_hold_its_disk(daemon, tmp_path,
+                                                                                       gvisor_platform):
+    import weenv
+
+    lock = _gvisor_lock(daemon, tmp_path)  # disk 64 MiB, memory max 512 MiB
+    with daemon.client() as c:
+        with pytest.raises(weenv.ApiError) as refused:
+            c.create(lock, memory="80MiB")
+        assert refused.value.status == 400, refused.value
+        assert "resources.disk" in str(refused.value) and "80MiB" in str(refused.value), refused.value
+        assert c.list() == []  # nothing started
+        env = c.create(lock, memory="96MiB")  # 64 MiB + 32 MiB fits
+        env.kill()
 
 
 def test_daemon_runs_a_gvisor_env_like_any_other(daemon, tmp_path, gvisor_platform):

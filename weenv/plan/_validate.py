@@ -19,7 +19,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from ._errors import Problem
-from ._model import (GROUP_CLASSES, MAX_ARG_STRLEN, MAX_ENV_BYTES, MAX_INIT_BYTES, NETWORKS,
+from ._model import (GROUP_CLASSES, GVISOR_MEMORY_HEADROOM_BYTES, MAX_ARG_STRLEN, MAX_ENV_BYTES, MAX_INIT_BYTES, NETWORKS,
                      PATTERN_DESCRIPTIONS, LockedGroup, NetworkPolicy, Plan, group_class_rank)
 from ._ref import parse_ref
 from ._units import human_size
@@ -279,6 +279,14 @@ def check_plan(plan: Plan) -> list[Problem]:
         add(Problem("resources.cpu.min", f"min {cpu.min:g} cores is above max {cpu.max:g} cores"))
     if mem.min > mem.max:
         add(Problem("resources.memory.min", f"min {human_size(mem.min)} is above max {human_size(mem.max)}"))
+    disk = plan.resources.disk
+    if plan.runtime == "gvisor" and disk + GVISOR_MEMORY_HEADROOM_BYTES > mem.max:
+        add(Problem("resources.disk", (
+            f'{human_size(disk)} does not fit runtime = "gvisor" with memory max {human_size(mem.max)}: '
+            "gVisor holds the files an env writes in the sandbox's memory, and a sandbox out of memory "
+            f"dies whole; keep disk at most memory max - {human_size(GVISOR_MEMORY_HEADROOM_BYTES)} "
+            f"(here {human_size(max(mem.max - GVISOR_MEMORY_HEADROOM_BYTES, 0))}) or raise memory max"
+        )))
 
     if plan.user is not None:
         for part in plan.user.split(":"):
