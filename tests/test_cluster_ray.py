@@ -874,7 +874,10 @@ def test_a_fork_through_the_gateway_spreads_when_the_envs_node_cannot_take_every
         for k in kids:  # routed by the gateway to each child's node
             assert k.exec("cat /root/state").stdout == b"fork-state\n", k.id
             assert client.get(k.id).id == k.id
-        # more children than the cluster guarantees: a 503 saying how many fit and why, none left behind
+        # more children than the cluster guarantees: a 503 saying how many fit and why, none left
+        # behind: no child, and no snapshot of the refused fork on any node
+        root = gw.client("root")  # sees every key's snapshots (the spread commits with the cluster's)
+        snaps = {s["id"] for s in root.snapshots()}
         t0 = time.monotonic()
         with pytest.raises(weenv.ApiError) as err:
             src.fork(9, keep=True)
@@ -882,6 +885,7 @@ def test_a_fork_through_the_gateway_spreads_when_the_envs_node_cannot_take_every
         assert err.value.status == 503 and "only" in str(err.value) and "of 9" in str(err.value), err.value
         rw.cluster.refresh()
         assert {e["id"] for e in client.list()} == {src.id, *(k.id for k in kids)}
+        assert {s["id"] for s in root.snapshots()} == snaps
     finally:
         for k in kids:
             k.kill()

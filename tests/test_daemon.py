@@ -284,7 +284,8 @@ def test_warm_pool_hands_out_started_envs_and_drops_idle_pools(tmp_path, monkeyp
             first = c.create(lock)
             assert "pool" not in first.info["timings_ms"]  # a miss starts the pool
             assert wait_for(lambda: len(os.listdir(os.path.join(home, "envs"))) == 3, timeout_s=20)
-            time.sleep(0.5)  # the second pooled env finishes starting
+            log = os.path.join(home, "daemon.log")  # both pooled envs finish starting (a fixed 0.5 s was a guess)
+            assert wait_for(lambda: open(log).read().count(" pooled (") == 2, timeout_s=20), open(log).read()[-2000:]
             second, third = c.create(lock, ttl_s=30), c.create(lock)
             assert "pool" in second.info["timings_ms"] and "pool" in third.info["timings_ms"]
             assert second.info["expires_s"] is not None  # the TTL starts at hand-out

@@ -256,12 +256,12 @@ def test_background_command_kill_list_connect(sbx) -> None:  # type: ignore[no-u
     handle = sbx.commands.run("sleep 0.3; echo later", background=True)
     result = handle.wait()
     assert result.exit_code == 0 and result.stdout == "later\n"
-    h = sbx.commands.run("sleep 1; echo first; sleep 60", background=True)
+    h = sbx.commands.run("sleep 0.3; echo first; sleep 60", background=True)
     assert h.pid > 1
     h.disconnect()  # as envd: the command runs on without its stream
     listed = {p.pid: p for p in sbx.commands.list()}
-    assert h.pid in listed and listed[h.pid].args[-1] == "sleep 1; echo first; sleep 60"
-    time.sleep(1.5)
+    assert h.pid in listed and listed[h.pid].args[-1] == "sleep 0.3; echo first; sleep 60"
+    time.sleep(1.5)  # it printed "first" 0.3 s in (1.2 s to spare on a loaded node)
     assert h.pid in {p.pid for p in sbx.commands.list()}
     again = sbx.commands.connect(h.pid)
     assert sbx.commands.kill(h.pid) is True

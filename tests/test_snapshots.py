@@ -157,6 +157,21 @@ def test_fork_8_children_share_the_parent_state_and_nothing_else(daemon):
     assert leftovers(daemon) == []
 
 
+def test_a_fork_the_node_cannot_admit_whole_leaves_no_child_and_no_snapshot(daemon):
+    with daemon.client() as c:
+        snaps = {s["id"] for s in c.snapshots()}
+        parent = c.create(daemon.plan_lock, cpu="1-1")  # a child each needs a guaranteed core
+        try:
+            with pytest.raises(weenv.ApiError) as refused:
+                parent.fork(os.cpu_count() + 2)
+            assert refused.value.status == 503, refused.value
+            assert [e["id"] for e in c.list()] == [parent.id]
+            assert {s["id"] for s in c.snapshots()} == snaps  # the fork's commit is undone too
+        finally:
+            parent.kill()
+    assert leftovers(daemon) == []
+
+
 def overlay_lowers(daemon, env_id: str) -> list[str]:
     rootfs = os.path.join(daemon.home, "envs", env_id, "rootfs")
     with open("/proc/self/mounts") as f:

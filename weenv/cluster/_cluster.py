@@ -708,19 +708,19 @@ class Cluster:
             raise ClusterError(f"fork needs 1 <= n <= 1024, got {n}")
         snap = env._call("POST", f"/v1/envs/{env.id}/commit", json={})["snapshot"]
         self._note_snapshot(snap, env.node)
-        local_req, _ = self._request(None, snap)
-        view = self._current_view()
-        try:
-            nodes = place_group(view, local_req, n)  # all on the home node
-        except PlacementError:
-            if self.store is None:
-                raise
-            rec = self.publish(snap)
-            layers = tuple((x[0], int(x[1])) for x in rec["layers"])
-            spread = request_for(rec["lock"], snapshot_layers=layers, snapshot=snap, snapshot_home=env.node)
-            nodes = place_group(view, spread, n)
         children: list[ClusterEnv] = []
         try:
+            local_req, _ = self._request(None, snap)
+            view = self._current_view()
+            try:
+                nodes = place_group(view, local_req, n)  # all on the home node
+            except PlacementError:
+                if self.store is None:
+                    raise
+                rec = self.publish(snap)
+                layers = tuple((x[0], int(x[1])) for x in rec["layers"])
+                spread = request_for(rec["lock"], snapshot_layers=layers, snapshot=snap, snapshot_home=env.node)
+                nodes = place_group(view, spread, n)
             for name in nodes:
                 if name == env.node:
                     children.append(self.create(snapshot=snap, node=name))
@@ -732,6 +732,10 @@ class Cluster:
                     child.kill()
                 except Exception:
                     pass
+            try:  # a refused fork leaves no snapshot on the home (a published copy stays in the store)
+                self.delete_snapshot(snap)
+            except Exception as e:
+                log.warning("fork of %s refused; its snapshot %s stays on node %s: %s", env.id, snap, env.node, e)
             raise
         return snap, children
 

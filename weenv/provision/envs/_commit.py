@@ -207,6 +207,10 @@ class Snapshotter:
                 async with trio.open_nursery() as nursery:
                     for child in children:
                         nursery.start_soon(self._kill, child.id)
+            try:  # all or none: a refused fork leaves no snapshot behind either (was: until a gc)
+                self.delete(snap.id)
+            except Exception as e:
+                log.warning("fork of %s failed; its snapshot %s stays until gc: %s", env_id, snap.id, e)
             # a node too full for the children is a refusal to retry later (503), not a failed start (500)
             cls = AdmissionError if all(isinstance(e, AdmissionError) for e in errors) else EnvStartError
             raise cls(f"fork of {n}: {len(errors)} children failed to start: {errors[0]}", env_id=env_id)
