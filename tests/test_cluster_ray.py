@@ -410,6 +410,11 @@ class Gateway:
         lock = home / "bb.lock.json"
         lock.write_text(__import__("json").dumps(rw.plan_bb))
         TemplateStore(str(api)).set("bb", str(lock))
+        big = home / "bb-big.lock.json"  # two fill a node's 2 cores (E2B creates take no cpu override)
+        plan_big = __import__("copy").deepcopy(rw.plan_bb)
+        plan_big.setdefault("resources", {})["cpu"] = {"min": 0.9, "max": 1.0}
+        big.write_text(__import__("json").dumps(plan_big))
+        TemplateStore(str(api)).set("bb-big", str(big))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -890,6 +895,33 @@ def test_a_fork_through_the_gateway_spreads_when_the_envs_node_cannot_take_every
         for k in kids:
             k.kill()
         src.kill()
+
+
+def test_an_e2b_fork_through_the_gateway_spreads_when_the_sandboxs_node_is_full(rw, gw, monkeypatch):
+    # the SDK's Sandbox.fork (POST /sandboxes/{id}/fork) reaches the node through the gateway's node
+    # transport, which spreads a fork the node refuses for room, as for /v1 forks
+    e2b = pytest.importorskip("e2b")
+    from weenv.cluster import node_of
+
+    _e2b_through(gw, monkeypatch)
+    sbx = e2b.Sandbox.create("bb-big", timeout=120)
+    home, children = node_of(sbx.sandbox_id), []
+    try:
+        sbx.files.write("/root/state", "e2b-fork-state\n")
+        children = sbx.fork(count=3)  # the home guarantees one more 0.9-core child at most
+        assert len(children) == 3 and not any(isinstance(c, Exception) for c in children), children
+        nodes = [node_of(c.sandbox_id) for c in children]
+        assert len([n for n in nodes if n != home]) >= 2, (home, nodes)
+        listed = {s.sandbox_id for s in e2b.Sandbox.list().next_items()}
+        for child in children:  # each owned by alice, reached through the gateway at its own node
+            assert child.sandbox_id in listed
+            assert child.files.read("/root/state") == "e2b-fork-state\n"
+            assert child.commands.run("hostname").stdout.strip() == child.sandbox_id
+    finally:
+        for child in children:
+            if not isinstance(child, Exception):
+                child.kill()
+        sbx.kill()
 
 
 def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw, gw):
