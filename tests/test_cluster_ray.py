@@ -306,6 +306,35 @@ def test_a_published_snapshot_forked_onto_node_c(rw):
         src.kill()
 
 
+def test_deleting_a_published_snapshot_removes_it_from_its_home_and_from_the_store(rw):
+    from weenv.cluster import ClusterError
+    from weenv.registry import NotFoundError, open_store, parse_ref
+
+    c = rw.cluster
+    a, b, _ = rw.node_names()
+    src = c.create(rw.plan_bb, node=a)
+    child = None
+    try:
+        src.exec("echo doomed > /root/state")
+        ref = src.commit(publish=True)
+        snap = ref.rsplit(":", 1)[1]
+        child = c.create(snapshot=ref, node=b)
+        c.delete_snapshot(snap)
+        assert _held_on(rw, snap) == []
+        r = parse_ref(ref)
+        with open_store(r.registry) as store:
+            with pytest.raises(NotFoundError):
+                store.resolve(r.repo, r.tag)
+            assert [t for t in store.list_tags(r.repo) if t.startswith(snap)] == []  # its layers' tags too
+        with pytest.raises((ClusterError, NotFoundError)):
+            c.create(snapshot=ref, node=b)
+        assert child.exec("cat /root/state").stdout == b"doomed\n"  # started from it: reads on
+    finally:
+        if child is not None:
+            child.kill()
+        src.kill()
+
+
 def test_a_group_of_forks_spreads_when_the_home_node_cannot_take_them_all(rw):
     c = rw.cluster
     a = rw.node_names()[0]
@@ -849,12 +878,27 @@ def test_snapshot_only_calls_through_the_gateway_go_to_the_snapshots_home_node(r
             by_ref = root.get(root._request("POST", "/v1/envs", json={"snapshot": ref}).json()["id"])  # admin: a ref
             assert node_of(by_ref.id) != home
             assert by_ref.exec("cat /root/state").stdout == f"state-of-{home}\n".encode()
+            # a DELETE through the gateway removes the home's copy and the published one
+            from weenv.registry import NotFoundError, open_store, parse_ref
+
+            client.delete_snapshot(snap)
+            assert _held_on(rw, snap) == []
+            r = parse_ref(ref)
+            with open_store(r.registry) as store:
+                assert [t for t in store.list_tags(r.repo) if t.startswith(r.tag)] == []  # its layers' too
+                with pytest.raises(NotFoundError):
+                    store.resolve(r.repo, r.tag)
+            with pytest.raises(weenv.ApiError) as gone:
+                root._request("POST", "/v1/envs", json={"snapshot": ref})
+            assert (gone.value.status, gone.value.kind) == (404, "snapshot_not_found"), gone.value
+            # envs started from it read on (its blobs stay): a file never read before, too
+            assert by_ref.exec("cat /root/state /bin/busybox | wc -c").exit_code == 0
+            assert box.files.read("/root/state") == f"state-of-{home}\n"
         finally:
             if box is not None:
                 box.kill()
             if by_ref is not None:
                 by_ref.kill()
-        client.delete_snapshot(snap)  # its home's copy (the published one stays in the store)
     finally:
         for e in envs.values():
             e.kill()
@@ -883,6 +927,10 @@ def test_a_fork_through_the_gateway_spreads_when_the_envs_node_cannot_take_every
         # behind: no child, and no snapshot of the refused fork on any node
         root = gw.client("root")  # sees every key's snapshots (the spread commits with the cluster's)
         snaps = {s["id"] for s in root.snapshots()}
+        from weenv.registry import open_store
+
+        with open_store(rw.registry_host) as store:
+            published = store.list_tags("ct/snaps")
         t0 = time.monotonic()
         with pytest.raises(weenv.ApiError) as err:
             src.fork(9, keep=True)
@@ -891,6 +939,8 @@ def test_a_fork_through_the_gateway_spreads_when_the_envs_node_cannot_take_every
         rw.cluster.refresh()
         assert {e["id"] for e in client.list()} == {src.id, *(k.id for k in kids)}
         assert {s["id"] for s in root.snapshots()} == snaps
+        with open_store(rw.registry_host) as store:
+            assert store.list_tags("ct/snaps") == published  # nor a published copy
     finally:
         for k in kids:
             k.kill()

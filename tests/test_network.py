@@ -642,3 +642,58 @@ def test_allowed_names_are_re_resolved_and_re_pinned(outside: Outside) -> None:
         subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
     assert weenv_links(table) == []
     assert _addresses_in(rng) == []
+
+
+def test_an_env_torn_down_while_its_names_are_re_pinned_leaves_the_refresh_loop_running(outside: Outside,
+                                                                                       monkeypatch) -> None:
+    # seen in a loaded run: the refresh loop's re-pin (its nft run late, in a worker thread) met
+    # the env's teardown; the nft failed ("No such file or directory") and took the whole loop,
+    # and the daemon's nursery, with it. Here the re-pin's nft is made late on purpose.
+    import trio
+
+    from weenv.net import _host, parse_policy
+    from weenv.net._egress import EgressNetwork
+
+    pid = os.getpid()
+    table, rng = f"wq{pid}", f"10.197.{pid % 256}.0/28"
+    resolver = _DnsServer({"moving.test": OUT_B, "other.test": OUT_B})
+    net = EgressNetwork(table=table, egress_range=rng, egress_interfaces=[outside.iface], dns_server=resolver.address,
+                        refresh_s=0.1)
+    dirs = {"race-00000000": tempfile.mkdtemp(prefix="wtest-race-"), "calm-00000000": tempfile.mkdtemp(prefix="wtest-calm-")}
+    real_nft = _host.nft
+    repinning = threading.Event()
+
+    def late_nft(script: str, **kw):  # type: ignore[no-untyped-def]
+        if kw.get("what") == "policy change" and not repinning.is_set():  # the first re-pin only
+            repinning.set()
+            time.sleep(0.5)  # a loaded node: the teardown gets to run first
+        return real_nft(script, **kw)
+
+    monkeypatch.setattr(_host, "nft", late_nft)
+
+    async def scenario() -> None:
+        async with trio.open_nursery() as nursery:
+            net.start(nursery, dirs.__getitem__)
+            await net.up("race-00000000", dirs["race-00000000"], parse_policy([f"moving.test:{PORT}"]))
+            await net.up("calm-00000000", dirs["calm-00000000"], parse_policy([f"other.test:{PORT}"]))
+            for env_id in dirs:
+                await net.ready(env_id)
+            resolver.names["moving.test"] = OUT_A  # the re-pin starts...
+            with trio.fail_after(10):
+                while not repinning.is_set():
+                    await trio.sleep(0.02)
+            assert await net.down("race-00000000", dirs["race-00000000"]) == []  # ...and the env goes meanwhile
+            resolver.names["other.test"] = OUT_A  # the loop lives on: another env's name is re-pinned
+            with trio.fail_after(10):
+                while net.states["calm-00000000"].resolved != {"other.test": [OUT_A]}:
+                    await trio.sleep(0.1)
+            assert await net.down("calm-00000000", dirs["calm-00000000"]) == []
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(scenario)
+    finally:
+        resolver.close()
+        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
+    assert weenv_links(table) == []
+    assert _addresses_in(rng) == []

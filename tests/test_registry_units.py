@@ -363,3 +363,25 @@ def test_open_store_picks_scheme(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
             assert isinstance(s, R.RemoteStore) and s.scheme == scheme, host
     with R.open_store("127.0.0.1:5000", insecure=False) as s:
         assert s.scheme == "https"
+
+
+def test_a_registry_that_refuses_deletes_gets_a_clear_error_naming_the_setting() -> None:
+    # docker-registry without storage.delete.enabled answers DELETE with 405 UNSUPPORTED
+    import httpx
+
+    manifest = b'{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json"}'
+    seen = []
+
+    def handle(req: httpx.Request) -> httpx.Response:
+        seen.append((req.method, req.url.path))
+        if req.method == "GET":
+            return httpx.Response(200, content=manifest,
+                                  headers={"content-type": "application/vnd.oci.image.manifest.v1+json"})
+        return httpx.Response(405, json={"errors": [{"code": "UNSUPPORTED", "message": "The operation is unsupported."}]})
+
+    store = R.RemoteStore("reg.test:5000", insecure=True, credentials=None, transport=httpx.MockTransport(handle))
+    with store, pytest.raises(R.StoreError, match=r"reg\.test:5000/snaps: DELETE manifest snap-1 .*"
+                                                  r"does not allow deletes.*storage\.delete\.enabled"):
+        store.delete_manifest("snaps", "snap-1")
+    digest = "sha256:" + __import__("hashlib").sha256(manifest).hexdigest()
+    assert seen == [("GET", "/v2/snaps/manifests/snap-1"), ("DELETE", f"/v2/snaps/manifests/{digest}")]

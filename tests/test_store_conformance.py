@@ -115,6 +115,29 @@ def test_manifest_tag_digest_and_retag(store: R.Store, repo: str, tmp_path) -> N
     assert store.list_tags(repo) == ["a-first", "v1", "v2"]
 
 
+def test_delete_manifest_removes_its_tags_and_keeps_blobs_and_other_tags(store: R.Store, repo: str,
+                                                                        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    m1 = _manifest(store, repo, tmp_path, b"gone" * 100, "1")
+    m2 = _manifest(store, repo, tmp_path, b"kept" * 100, "2")
+    store.put_manifest(repo, m1, MANIFEST_V1, "snap-a")
+    store.put_manifest(repo, m1, MANIFEST_V1, "snap-a-alias")  # the same manifest: registries delete both
+    store.put_manifest(repo, m2, MANIFEST_V1, "snap-b")
+    assert _manifest(store, repo + "-other", tmp_path, b"gone" * 100, "1") == m1  # its blobs there too
+    store.put_manifest(repo + "-other", m1, MANIFEST_V1, "snap-a")  # another repo's tag is its own
+    assert store.delete_manifest(repo, "snap-a") is True
+    assert store.list_tags(repo) == ["snap-b"]
+    for tag in ("snap-a", "snap-a-alias"):
+        with pytest.raises(R.NotFoundError):
+            store.resolve(repo, tag)
+    assert store.get_manifest(repo, "snap-b")[0] == m2
+    assert store.get_manifest(repo + "-other", "snap-a")[0] == m1
+    layer = sha256_digest(b"gone" * 100)
+    assert store.has_blob(repo, layer)  # blobs stay: an env reading them by digest reads on
+    assert store.read_blob(repo, layer, 0, 4) == b"gone"
+    assert store.delete_manifest(repo, "snap-a") is False  # already gone
+    assert store.delete_manifest(repo, "never-was") is False
+
+
 def test_untagged_manifest_by_digest(store: R.Store, repo: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     m = _manifest(store, repo, tmp_path, b"untagged", "u")
     d = store.put_manifest(repo, m, MANIFEST_V1)

@@ -690,13 +690,49 @@ class Cluster:
         return rec
 
     def delete_snapshot(self, snapshot: str) -> None:
-        """Remove a snapshot from the node that holds it (a published copy stays in the store)."""
+        """Remove a snapshot from the node that holds it, and its published copy from the store."""
         home = self._snapshot_home.get(snapshot) or self._find_snapshot(snapshot)
         if home is None:
             raise ClusterError(f"no node holds snapshot {snapshot!r}")
+        ref = self.published_ref(snapshot)  # before the node's copy goes: its report names the ref
         self._client(home).call("DELETE", f"/v1/snapshots/{snapshot}")
         with self._lock:
             self._snapshot_home.pop(snapshot, None)
+        if ref is not None:
+            self.unpublish(ref)
+
+    def published_ref(self, snapshot: str) -> str | None:
+        """The ref snapshot id ``snapshot`` is published under (None: not published, as far as this
+        client or the nodes' reports know)."""
+        with self._lock:
+            rec = self._published.get(snapshot)
+        if rec is not None and rec.get("ref"):
+            return str(rec["ref"])
+        for r in self.reconciler.reports(usable_only=False):
+            for s in r.snapshots:
+                if s.id == snapshot and s.ref:
+                    return s.ref
+        return None
+
+    def unpublish(self, ref: str) -> bool:
+        """Remove a published snapshot (``host[:port]/repo:snap-…``) from the store: creates from it
+        fail from then on; envs started from it read on (its blobs stay). False: it was not there."""
+        from ..registry import open_store, parse_ref
+
+        r = parse_ref(ref)
+        if r.registry is None or r.tag is None:
+            raise ClusterError(f"{ref!r} is not a published snapshot ref (host[:port]/repo:snap-…)")
+        snap_id = r.tag
+        with open_store(r.registry) as store:
+            gone = store.delete_manifest(r.repo, snap_id)  # the lock's tag first: no create starts from it
+            for tag in store.list_tags(r.repo):  # then its layers' (publish_snapshot tags them <id>-<i>)
+                if tag.startswith(snap_id + "-") and tag[len(snap_id) + 1:].isdigit():
+                    store.delete_manifest(r.repo, tag)
+        with self._lock:
+            for key in [k for k, v in self._published.items() if v.get("ref") == ref] + [ref]:
+                self._published.pop(key, None)
+        log.info("unpublished %s (%s)", ref, "removed" if gone else "was not in the store")
+        return gone
 
     def fork(self, env: ClusterEnv, n: int) -> list[ClusterEnv]:
         return self.fork_group(env, n)[1]

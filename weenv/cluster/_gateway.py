@@ -208,12 +208,39 @@ class _NodeTransport(httpx.AsyncHTTPTransport):
         parts = path.split("/")
         if method == "POST" and len(parts) == 5 and parts[2] == "envs" and parts[4] == "fork":
             return await self._fork(request, parts[3])
+        if method == "DELETE" and len(parts) == 4 and parts[2] == "snapshots":
+            return await self._delete_snapshot(request, parts[3])
         resp = await super().handle_async_request(request)
         if resp.status_code < 300 and ((method == "DELETE" and path.startswith("/v1/envs/") and path.count("/") == 3)
                                        or (method == "POST" and path.endswith("/commit"))):
             import anyio.to_thread
 
             await anyio.to_thread.run_sync(self.backend.cluster.refresh_node, self.node)
+        return resp
+
+    async def _delete_snapshot(self, request: httpx.Request, snap: str) -> httpx.Response:
+        """A snapshot's DELETE at its home; once the node's copy is gone, its published copy leaves
+        the store too (read before: the home's report names the ref only while it holds it)."""
+        import anyio.to_thread
+
+        cluster = self.backend.cluster
+        ref = await anyio.to_thread.run_sync(cluster.published_ref, snap)
+        resp = await super().handle_async_request(request)
+        if resp.status_code >= 300:
+            return resp
+        with cluster._lock:
+            cluster._snapshot_home.pop(snap, None)
+        if ref is not None:
+            try:
+                await anyio.to_thread.run_sync(cluster.unpublish, ref)
+            except Exception as e:  # the node's copy is gone; say what stays
+                await resp.aread()
+                await resp.aclose()
+                log.warning("snapshot %s: deleted on node %s, but its published copy %s stays: %s",
+                            snap, self.node, ref, e)
+                return _error(502, "store_error", f"snapshot {snap} was deleted on node {self.node}, but its "
+                              f"published copy {ref} could not be removed from the store: {e}")
+        await anyio.to_thread.run_sync(cluster.refresh_node, self.node)
         return resp
 
     async def _fork(self, request: httpx.Request, env_id: str) -> httpx.Response:

@@ -119,6 +119,8 @@ class EgressNetwork:
         self._adopt_state: _nft.TableState | None = None  # one listing for all envs re-adopted at start
         self._pending: dict[str, trio.Event] = {}  # set when up() is done (either way)
         self._errors: dict[str, BaseException] = {}
+        # one rule change at a time per env: a refresh, a policy change and the teardown
+        self._env_locks: dict[str, trio.Lock] = {}
 
     # -- base ---------------------------------------------------------------------------------
 
@@ -247,15 +249,33 @@ class EgressNetwork:
         pending = self._pending.pop(env_id, None)
         if pending is not None:
             await pending.wait()  # a wiring still under way finishes first: then all of it is undone
-        self._errors.pop(env_id, None)
-        st = self.states.get(env_id) or self.load(env_dir)  # its slot stays taken until the kernel let go
-        scope = self._dns_scopes.pop(env_id, None)
-        self._dns_names.pop(env_id, None)
-        if scope is not None:
-            scope.cancel()
-        if st is None:
-            return []
+        async with self._env_lock(env_id):  # a refresh or change under way lands (or fails) first
+            self._errors.pop(env_id, None)
+            st = self.states.get(env_id) or self.load(env_dir)  # its slot stays taken until the kernel let go
+            scope = self._dns_scopes.pop(env_id, None)
+            self._dns_names.pop(env_id, None)
+            if scope is not None:
+                scope.cancel()
+            problems = [] if st is None else await self._unwire(st)
+            if problems:
+                self.states[env_id] = st  # kept for a later gc
+            else:
+                self.states.pop(env_id, None)
+                self._env_locks.pop(env_id, None)
+                if st is not None:
+                    try:
+                        os.unlink(os.path.join(env_dir, STATE_FILE))
+                    except FileNotFoundError:
+                        pass
+        return [f"network: {p}" for p in problems]
 
+    def _env_lock(self, env_id: str) -> trio.Lock:
+        lock = self._env_locks.get(env_id)
+        if lock is None:
+            lock = self._env_locks[env_id] = trio.Lock()
+        return lock
+
+    async def _unwire(self, st: NetState) -> list[str]:
         def unwire() -> list[str]:
             problems = []
             try:  # the usual case first: everything is there, one transaction and no listing
@@ -272,16 +292,7 @@ class EgressNetwork:
             problems += _host.delete_link(netns=st.netns, veth=st.veth)
             return problems
 
-        problems = await trio.to_thread.run_sync(unwire)
-        if problems:
-            self.states[env_id] = st  # kept for a later gc
-        else:
-            self.states.pop(env_id, None)
-            try:
-                os.unlink(os.path.join(env_dir, STATE_FILE))
-            except FileNotFoundError:
-                pass
-        return [f"network: {p}" for p in problems]
+        return await trio.to_thread.run_sync(unwire)
 
     async def adopt(self, env_id: str, env_dir: str) -> bool:
         """After a daemon restart: take a running env's network back (its kernel state never went
@@ -312,11 +323,12 @@ class EgressNetwork:
                      deny: list[str] = (), remove: list[str] = ()) -> NetState:  # type: ignore[assignment]
         """A running env's new policy, in force when this returns: for new connections, and for the
         open ones from their next packet (a new generation: see :mod:`weenv.net._nft`)."""
-        st = self.states[env_id]
-        policy = change_policy(policy_from_builtins(st.policy), allow=allow, deny=deny, remove=remove)
-        resolved = await self._resolve(policy)
-        await self._apply(env_dir, st, policy, resolved, _nft.next_generation(st.generation))
-        return st
+        async with self._env_lock(env_id):
+            st = self.states[env_id]
+            policy = change_policy(policy_from_builtins(st.policy), allow=allow, deny=deny, remove=remove)
+            resolved = await self._resolve(policy)
+            await self._apply(env_dir, st, policy, resolved, _nft.next_generation(st.generation))
+            return st
 
     async def _apply(self, env_dir: str, st: NetState, policy: EgressPolicy, resolved: Resolved,
                      generation: int) -> None:
@@ -342,16 +354,30 @@ class EgressNetwork:
         while True:
             await trio.sleep(self.refresh_s)
             for env_id, st in list(self.states.items()):
-                policy = policy_from_builtins(st.policy)
-                if not policy.hosts:
-                    continue
-                try:
-                    resolved = await self._resolve(policy)
-                except ValueError as e:
-                    log.warning("env %s: re-resolving its allowed names: %s (keeping the old addresses)", env_id, e)
-                    continue
-                if resolved.to_builtins() != st.resolved and env_id in self.states:
-                    await self._apply(env_dir_of(env_id), st, policy, resolved, st.generation)
+                await self._refresh_one(env_id, st, env_dir_of)
+
+    async def _refresh_one(self, env_id: str, st: NetState, env_dir_of: Any) -> None:
+        """One env's re-resolution. Its names are resolved unlocked (a slow resolver holds up no
+        change); the rules are re-pinned under the env's lock, only if the env and its policy are
+        still what was resolved. A failure is logged: the loop goes on for every other env."""
+        policy_seen = st.policy
+        policy = policy_from_builtins(policy_seen)
+        if not policy.hosts:
+            return
+        try:
+            resolved = await self._resolve(policy)
+        except ValueError as e:
+            log.warning("env %s: re-resolving its allowed names: %s (keeping the old addresses)", env_id, e)
+            return
+        async with self._env_lock(env_id):
+            wiring = self._pending.get(env_id)
+            if (self.states.get(env_id) is not st or (wiring is not None and not wiring.is_set())
+                    or st.policy != policy_seen or resolved.to_builtins() == st.resolved):
+                return  # gone, still being wired, changed since, or nothing moved
+            try:
+                await self._apply(env_dir_of(env_id), st, policy, resolved, st.generation)
+            except (_host.NetError, OSError) as e:
+                log.warning("env %s: re-pinning its allowed names failed: %s (kept the old addresses)", env_id, e)
 
     def start(self, nursery: trio.Nursery, env_dir_of: Any) -> None:
         """The daemon's nursery is up: resolvers of adopted envs, and the name refresh."""

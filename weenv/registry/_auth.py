@@ -137,8 +137,8 @@ def load_credentials(registry: str, env: Mapping[str, str] | None = None) -> Cre
 # --------------------------------------------------------------------------------------- decisions
 
 
-def scope_for(repo: str, push: bool = False) -> str:
-    return f"repository:{repo}:{'pull,push' if push else 'pull'}"
+def scope_for(repo: str, push: bool = False, delete: bool = False) -> str:
+    return f"repository:{repo}:{'delete' if delete else 'pull,push' if push else 'pull'}"
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,18 @@ class LayoutStore(Store):
         tags.discard(None)
         return sorted(t for t in tags if t)
 
+    def delete_manifest(self, repo: str, tag: str) -> bool:
+        with mapped_errors(f"{self.root}: delete manifest {repo}:{tag}"):
+            with self._index_lock():
+                entries = self._read_index()
+                named = self._entry(repo, tag) if not is_digest(tag) else None
+                if named is None:
+                    return False
+                keep = [m for m in entries if not ((m.get("annotations") or {}).get(ANN_REPO) == repo
+                                                   and m.get("digest") == named.get("digest"))]
+                self._write_index(keep)
+        return True
+
     def list_repos(self) -> list[str]:
         with mapped_errors(f"{self.root}: list repositories"):
             repos = {(m.get("annotations") or {}).get(ANN_REPO) for m in self._read_index()}

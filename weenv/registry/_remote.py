@@ -33,6 +33,7 @@ from ._errors import (
     ProtocolError,
     RegistryError,
     RegistryUnavailableError,
+    StoreError,
     mapped_errors,
 )
 from ._oci import ACCEPT_MANIFESTS, sha256_digest
@@ -392,6 +393,26 @@ class RemoteStore(Store):
 
             path = self._call("GET", path, scope_for(repo), handle, where=where)
         return sorted(set(tags))
+
+    def delete_manifest(self, repo: str, tag: str) -> bool:
+        try:
+            digest = self.resolve(repo, tag).digest
+        except NotFoundError:
+            return False
+        where = self._where(repo, f"DELETE manifest {tag} ({digest})")
+
+        def handle(resp: httpx.Response) -> bool:
+            if resp.status_code in (200, 202):
+                return True
+            if resp.status_code == 404:
+                return False  # gone since we resolved it
+            if resp.status_code == 405:
+                raise StoreError(f"{where}: this registry does not allow deletes (HTTP 405{_error_detail(resp)}); "
+                                 "docker-registry needs storage.delete.enabled: true")
+            raise ProtocolError(f"{where}: unexpected HTTP {resp.status_code}{_error_detail(resp)}")
+
+        return self._call("DELETE", f"/v2/{_quote_repo(repo)}/manifests/{digest}", scope_for(repo, delete=True),
+                          handle, where=where)
 
     def put_blob(self, repo: str, digest: str, path: str, size: int, *, progress: ProgressFn | None = None) -> int:
         check_digest(digest)

@@ -60,6 +60,12 @@ class Store(abc.ABC):
     def list_tags(self, repo: str) -> list[str]:
         """Tags of ``repo``, sorted."""
 
+    @abc.abstractmethod
+    def delete_manifest(self, repo: str, tag: str) -> bool:
+        """Remove from ``repo`` the manifest ``tag`` names, with every tag of ``repo`` naming it
+        (registries delete manifests by digest). False: no such tag. Blobs stay (a registry's
+        garbage collection removes unreferenced ones), so envs reading them by digest read on."""
+
     def close(self) -> None:
         """Release connections and file handles."""
 

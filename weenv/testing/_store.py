@@ -77,6 +77,16 @@ class FakeStore(Store):
                 self.tags.setdefault(repo, {})[tag] = (digest, media_type)
         return digest
 
+    def delete_manifest(self, repo: str, tag: str) -> bool:
+        with self._lock:
+            self._record("delete_manifest", repo, tag)
+            named = self.tags.get(repo, {}).get(tag)
+            if named is None:
+                return False
+            self.tags[repo] = {t: v for t, v in self.tags[repo].items() if v[0] != named[0]}
+            self.manifests.get(repo, {}).pop(named[0], None)
+            return True
+
     def has_blob(self, repo: str, digest: str) -> bool:
         check_digest(digest)
         with self._lock:
