@@ -521,6 +521,13 @@ FOUND: list[tuple[str, str, str]] = [
      "withdrawn FUSE INTERRUPT; pyfuse3 reads blocking, GIL held) until the next request: its control socket "
      "gave no answer for 120 s; now a watcher process wakes the read after 0.1 s",
      "tests/test_envlet_wake.py::test_the_envlet_answers_its_control_socket_after_every_storm_and_its_watcher_ends_with_it"),
+    ("CI: a layer unregistered", "the layer's directory was still there after its last unregister answered (the "
+     "kernel was told to forget it from pyfuse3's queue, after the answer); now the notice is sent first",
+     "tests/test_envlet.py::test_a_layer_is_gone_from_the_mount_when_its_last_unregister_returns"),
+    ("loaded full run: egress name refresh", "an env torn down while its moved names were re-pinned made the "
+     "re-pin's nft fail, which ended the refresh loop and the daemon's nursery; now one lock per env, and a "
+     "failed re-pin is logged",
+     "tests/test_network.py::test_an_env_torn_down_while_its_names_are_re_pinned_leaves_the_refresh_loop_running"),
 ]
 
 
