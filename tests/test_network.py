@@ -425,6 +425,16 @@ def test_accounting_in_info_top_and_metrics(daemon: EgressDaemon) -> None:
 
 # -- no leaks -------------------------------------------------------------------------------------
 
+def _clear_links(table: str) -> list[str]:
+    """What weenv_links(table) finds, then removed (namespaces and veths of the test's table)."""
+    left = weenv_links(table)
+    for item in left:
+        kind, name = item.split(" ", 1)
+        subprocess.run(["ip", "netns", "delete", name] if kind == "netns" else ["ip", "link", "delete", name],
+                       capture_output=True)
+    return left
+
+
 def _addresses_in(net: str) -> list[str]:
     out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, check=True).stdout
     rng = ipaddress.IPv4Network(net)
@@ -552,8 +562,9 @@ def test_without_an_egress_interface_nothing_leaves_the_node(outside: Outside) -
     try:
         trio.run(scenario)
     finally:
+        left = _clear_links(table)  # a failed run must not leave its namespaces behind either
         subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
-    assert weenv_links(table) == []
+    assert left == []
     assert _addresses_in(rng) == []
 
 
@@ -639,8 +650,9 @@ def test_allowed_names_are_re_resolved_and_re_pinned(outside: Outside) -> None:
         trio.run(scenario)
     finally:
         resolver.close()
+        left = _clear_links(table)  # a failed run must not leave its namespaces behind either
         subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
-    assert weenv_links(table) == []
+    assert left == []
     assert _addresses_in(rng) == []
 
 
@@ -694,6 +706,7 @@ def test_an_env_torn_down_while_its_names_are_re_pinned_leaves_the_refresh_loop_
         trio.run(scenario)
     finally:
         resolver.close()
+        left = _clear_links(table)  # a failed run must not leave its namespaces behind either
         subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
-    assert weenv_links(table) == []
+    assert left == []
     assert _addresses_in(rng) == []
