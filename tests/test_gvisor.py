@@ -461,6 +461,8 @@ def test_an_env_over_its_hard_memory_limit_dies_whole_and_exec_says_so(gvisor_ru
 def test_a_node_whose_default_is_gvisor_runs_plans_that_name_no_runtime_there(monkeypatch, gvisor_platform):
     import tempfile
 
+    import weenv
+
     from tests.fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon
 
     home = tempfile.mkdtemp(prefix="weenv-gvdefault-")
@@ -478,6 +480,14 @@ def test_a_node_whose_default_is_gvisor_runs_plans_that_name_no_runtime_there(mo
                 f.write('runtime = "crun"\n' + open(lock).read())
             with c.create(crun_lock) as env:  # a plan that names crun still gets it
                 assert not _in_gvisor(env)
+            # a plan naming no runtime runs under gVisor here: its disk must fit its memory max too
+            with pytest.raises(weenv.ApiError) as refused:
+                c.create(lock, memory="80MiB")  # disk 64 MiB + 32 MiB does not fit
+            assert refused.value.status == 400, refused.value
+            assert "resources.disk" in str(refused.value) and "default runtime" in str(refused.value), refused.value
+            with c.create(crun_lock, memory="80MiB") as env:  # under crun the disk is the host's
+                assert not _in_gvisor(env)
+            assert c.list() == []
     finally:
         left = teardown_private_daemon(d)
     assert not left, left

@@ -279,14 +279,10 @@ def check_plan(plan: Plan) -> list[Problem]:
         add(Problem("resources.cpu.min", f"min {cpu.min:g} cores is above max {cpu.max:g} cores"))
     if mem.min > mem.max:
         add(Problem("resources.memory.min", f"min {human_size(mem.min)} is above max {human_size(mem.max)}"))
-    disk = plan.resources.disk
-    if plan.runtime == "gvisor" and disk + GVISOR_MEMORY_HEADROOM_BYTES > mem.max:
-        add(Problem("resources.disk", (
-            f'{human_size(disk)} does not fit runtime = "gvisor" with memory max {human_size(mem.max)}: '
-            "gVisor holds the files an env writes in the sandbox's memory, and a sandbox out of memory "
-            f"dies whole; keep disk at most memory max - {human_size(GVISOR_MEMORY_HEADROOM_BYTES)} "
-            f"(here {human_size(max(mem.max - GVISOR_MEMORY_HEADROOM_BYTES, 0))}) or raise memory max"
-        )))
+    if plan.runtime == "gvisor":
+        gvisor_disk = gvisor_disk_problem(plan)
+        if gvisor_disk is not None:
+            add(gvisor_disk)
 
     if plan.user is not None:
         for part in plan.user.split(":"):
@@ -347,6 +343,21 @@ def check_plan(plan: Plan) -> list[Problem]:
             'loopback only (use network = "none" or "loopback", or runtime = "crun")'
         )))
     return problems
+
+
+def gvisor_disk_problem(plan: Plan, runtime: str = 'runtime = "gvisor"') -> Problem | None:
+    """``resources.disk`` that a gVisor sandbox at the plan's memory max cannot hold (gVisor keeps
+    the files an env writes in the sandbox's memory); None when it fits. The daemon asks it too,
+    for plans that name no runtime on a node whose default is gVisor."""
+    disk, mem_max = plan.resources.disk, plan.resources.memory.max
+    if disk + GVISOR_MEMORY_HEADROOM_BYTES <= mem_max:
+        return None
+    return Problem("resources.disk", (
+        f"{human_size(disk)} does not fit {runtime} with memory max {human_size(mem_max)}: "
+        "gVisor holds the files an env writes in the sandbox's memory, and a sandbox out of memory "
+        f"dies whole; keep disk at most memory max - {human_size(GVISOR_MEMORY_HEADROOM_BYTES)} "
+        f"(here {human_size(max(mem_max - GVISOR_MEMORY_HEADROOM_BYTES, 0))}) or raise memory max"
+    ))
 
 
 def _network_problems(plan: Plan) -> list[Problem]:

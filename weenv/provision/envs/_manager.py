@@ -31,7 +31,8 @@ import trio
 
 from ..._wire import ProcessEnd, ProcessInfo
 from ...envlet import EnvletClient, EnvletError
-from ...plan import Lock, Plan, apply_overrides, is_locked, plan_to_builtins
+from ...plan import Lock, Plan, PlanValidationError, apply_overrides, is_locked, plan_to_builtins
+from ...plan._validate import gvisor_disk_problem
 from .._errors import (AdmissionError, CgroupError, ContainerNotFoundError, EnvNotFoundError, EnvStartError,
                        EnvStateError, ProcessNotFoundError, ProvisionError)
 from ..cgroups import Cgroup, CgroupBackend
@@ -233,7 +234,12 @@ class EnvManager:
     async def _create(self, lock: Lock, t0: float, *, snapshot: str | None = None, parent: str | None = None,
                       snapshot_layers: Sequence[SnapshotLayer] = (), pooled: bool = False,
                       start_cpu_cores: float | None = None) -> EnvRecord:
-        limits = env_limits(lock, self._runtime_name(lock))
+        runtime = self._runtime_name(lock)
+        if runtime == "gvisor" and lock.runtime is None:  # a plan naming gvisor was checked when read
+            problem = gvisor_disk_problem(lock, 'this node\'s default runtime "gvisor"')
+            if problem is not None:
+                raise PlanValidationError(f"plan {lock.name!r}", [problem])
+        limits = env_limits(lock, runtime)
         admission = self.monitor.admit(limits)
         while not admission and not pooled and await self._pool.evict_one():
             admission = self.monitor.admit(limits)  # pooled envs make way for real ones
