@@ -425,14 +425,24 @@ def test_accounting_in_info_top_and_metrics(daemon: EgressDaemon) -> None:
 
 # -- no leaks -------------------------------------------------------------------------------------
 
-def _clear_links(table: str) -> list[str]:
-    """What weenv_links(table) finds, then removed (namespaces and veths of the test's table)."""
-    left = weenv_links(table)
-    for item in left:
-        kind, name = item.split(" ", 1)
-        subprocess.run(["ip", "netns", "delete", name] if kind == "netns" else ["ip", "link", "delete", name],
-                       capture_output=True)
-    return left
+def _run_then_check_clean(scenario, table: str, rng: str, resolver=None) -> None:  # type: ignore[no-untyped-def]
+    """``trio.run(scenario)``; then what it left of the table (namespaces, veths, rules) is removed,
+    also when it failed, and must have been nothing."""
+    import trio
+
+    try:
+        trio.run(scenario)
+    finally:
+        if resolver is not None:
+            resolver.close()
+        left = weenv_links(table)
+        for item in left:
+            kind, name = item.split(" ", 1)
+            subprocess.run(["ip", "netns", "delete", name] if kind == "netns" else ["ip", "link", "delete", name],
+                           capture_output=True)
+        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
+    assert left == []
+    assert _addresses_in(rng) == []
 
 
 def _addresses_in(net: str) -> list[str]:
@@ -559,13 +569,7 @@ def test_without_an_egress_interface_nothing_leaves_the_node(outside: Outside) -
             assert await net.down("lonely-00000000", env_dir) == []
             await net.gc()
 
-    try:
-        trio.run(scenario)
-    finally:
-        left = _clear_links(table)  # a failed run must not leave its namespaces behind either
-        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
-    assert left == []
-    assert _addresses_in(rng) == []
+    _run_then_check_clean(scenario, table, rng)
 
 
 class _DnsServer:
@@ -646,14 +650,7 @@ def test_allowed_names_are_re_resolved_and_re_pinned(outside: Outside) -> None:
                 assert await net.down("moving-00000000", env_dir) == []
                 nursery.cancel_scope.cancel()
 
-    try:
-        trio.run(scenario)
-    finally:
-        resolver.close()
-        left = _clear_links(table)  # a failed run must not leave its namespaces behind either
-        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
-    assert left == []
-    assert _addresses_in(rng) == []
+    _run_then_check_clean(scenario, table, rng, resolver)
 
 
 def test_an_env_torn_down_while_its_names_are_re_pinned_leaves_the_refresh_loop_running(outside: Outside,
@@ -702,11 +699,4 @@ def test_an_env_torn_down_while_its_names_are_re_pinned_leaves_the_refresh_loop_
             assert await net.down("calm-00000000", dirs["calm-00000000"]) == []
             nursery.cancel_scope.cancel()
 
-    try:
-        trio.run(scenario)
-    finally:
-        resolver.close()
-        left = _clear_links(table)  # a failed run must not leave its namespaces behind either
-        subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True)
-    assert left == []
-    assert _addresses_in(rng) == []
+    _run_then_check_clean(scenario, table, rng, resolver)
