@@ -696,6 +696,12 @@ class Cluster:
             raise ClusterError(f"no node holds snapshot {snapshot!r}")
         ref = self.published_ref(snapshot)  # before the node's copy goes: its report names the ref
         self._client(home).call("DELETE", f"/v1/snapshots/{snapshot}")
+        self.snapshot_deleted(snapshot, ref)
+
+    def snapshot_deleted(self, snapshot: str, ref: str | None) -> None:
+        """The home's copy of ``snapshot`` is gone (deleted here or through the gateway's node API):
+        forget its home, and remove its published copy ``ref`` (from :meth:`published_ref`, read
+        before the delete) from the store."""
         with self._lock:
             self._snapshot_home.pop(snapshot, None)
         if ref is not None:
@@ -768,7 +774,7 @@ class Cluster:
                     child.kill()
                 except Exception:
                     pass
-            try:  # a refused fork leaves no snapshot on the home (a published copy stays in the store)
+            try:  # a refused fork leaves no snapshot, on the home or in the store
                 self.delete_snapshot(snap)
             except Exception as e:
                 log.warning("fork of %s refused; its snapshot %s stays on node %s: %s", env.id, snap, env.node, e)

@@ -228,18 +228,15 @@ class _NodeTransport(httpx.AsyncHTTPTransport):
         resp = await super().handle_async_request(request)
         if resp.status_code >= 300:
             return resp
-        with cluster._lock:
-            cluster._snapshot_home.pop(snap, None)
-        if ref is not None:
-            try:
-                await anyio.to_thread.run_sync(cluster.unpublish, ref)
-            except Exception as e:  # the node's copy is gone; say what stays
-                await resp.aread()
-                await resp.aclose()
-                log.warning("snapshot %s: deleted on node %s, but its published copy %s stays: %s",
-                            snap, self.node, ref, e)
-                return _error(502, "store_error", f"snapshot {snap} was deleted on node {self.node}, but its "
-                              f"published copy {ref} could not be removed from the store: {e}")
+        try:
+            await anyio.to_thread.run_sync(cluster.snapshot_deleted, snap, ref)
+        except Exception as e:  # the node's copy is gone; say what stays
+            await resp.aread()
+            await resp.aclose()
+            log.warning("snapshot %s: deleted on node %s, but its published copy %s stays: %s",
+                        snap, self.node, ref, e)
+            return _error(502, "store_error", f"snapshot {snap} was deleted on node {self.node}, but its "
+                          f"published copy {ref} could not be removed from the store: {e}")
         await anyio.to_thread.run_sync(cluster.refresh_node, self.node)
         return resp
 
