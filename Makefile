@@ -3,23 +3,35 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# docker.io: tests and benchmarks start their own dockerd (private socket and data root, no bridge, no
+# iptables) as an image producer; the package's own service is not used.
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc docker-registry crun busybox-static zstd \
-	mmdebstrap skopeo umoci iproute2 nftables git catatonit libc6-dev runsc prometheus
+	mmdebstrap skopeo umoci iproute2 nftables git catatonit libc6-dev runsc prometheus docker.io
+# podman: a peer in the benchmarks only (benchmarks/_peers.py: private --root/--runroot, cgroupfs, no network),
+# installed by `make bench` / `make bench-quick`, so that `make test` does not grow.
+BENCH_APT_PACKAGES := podman
 PYTEST_ARGS ?=
 
-.PHONY: setup apt venv demo test bench bench-quick soak soak-quick clean
+.PHONY: setup apt bench-apt venv corpus-inputs demo test bench bench-quick soak soak-quick clean
 
 setup: apt venv
 
 # Installs only what is missing, so a second run costs a dpkg query.
-apt:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
+define apt_install
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null \
 		| grep -q 'install ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		echo "installing apt packages:" $$missing; \
 		export DEBIAN_FRONTEND=noninteractive; \
 		apt-get update -qq && apt-get install -y -qq $$missing >/dev/null; \
 	fi
+endef
+
+apt:
+	$(call apt_install,$(APT_PACKAGES))
+
+bench-apt:
+	$(call apt_install,$(BENCH_APT_PACKAGES))
 
 venv: $(VENV)/.installed
 
@@ -29,17 +41,23 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,cluster]'
 	touch $@
 
+# What the image-intake tests fetch from outside 127.0.0.1, fetched here into the fixture cache
+# ($$WEENV_FIXTURE_CACHE): the corpus base (mmdebstrap: Debian minbase + python3 + pip) and the
+# wheels its Dockerfiles install with `pip install --no-index` (pip download, this machine's pip config).
+corpus-inputs: venv
+	$(PY) -m tests.fixtures_docker prefetch
+
 demo: setup
 	$(VENV)/bin/weenv demo
 
-test: setup
+test: setup corpus-inputs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: setup
+bench: setup bench-apt corpus-inputs
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m benchmarks.run
 
-bench-quick: setup
+bench-quick: setup bench-apt corpus-inputs
 	$(PY) -m pip install -q -e '.[test,bench]'
 	$(PY) -m benchmarks.run --quick --no-docs
 

@@ -42,7 +42,26 @@ def _fmt(v: Any) -> str:
 
 
 PLOTTERS = {"start": _plots.start_latency, "envlet_lazy_start": _plots.lazy_bytes_over_time,
+            "corpus": _plots.corpus_bytes, "intake": _plots.intake_times,
             "density": lambda data: _plots.write_all({"density": data})}
+
+
+def _peers_section(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Which peers (docker, podman) ran beside weenv, their versions and how each was started, as the
+    results recorded them (``Report.peers``), with the benchmarks they appear in."""
+    seen: dict[str, tuple[str, str, list[str]]] = {}
+    for name, data in results.items():
+        for peer, info in (data.get("peers") or {}).items():
+            version, how, where = seen.get(peer, (info.get("version", ""), info.get("how", ""), []))
+            seen[peer] = (version, how, [*where, name])
+    if not seen:
+        return []
+    out = ["Peers: the engines users would run instead, measured in the same run as weenv, interleaved "
+           "(benchmarks/_peers.py), on the same busybox tree imported as their image, `--network none`, "
+           "nothing from Docker Hub.", ""]
+    out += [f"- **{peer}** {version} ({', '.join(f'`{w}`' for w in where)}): {how}"
+            for peer, (version, how, where) in sorted(seen.items())]
+    return out + [""]
 
 
 def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = None) -> Path:
@@ -57,6 +76,7 @@ def write_docs(*, quick: bool = False, failures: list[tuple[str, str]] | None = 
         lines += [f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '')}), "
                   f"{(m.get('memory_bytes') or 0) / 2**30:.0f} GiB RAM, Linux {m.get('kernel')}, "
                   f"Python {m.get('python')}. Generated {_dt.date.today().isoformat()}.", ""]
+    lines += _peers_section(results)
     for name, data in results.items():
         title = data.get("title", name)
         tag = " (quick run: a smoke test, not a measurement)" if data["_quick"] else ""

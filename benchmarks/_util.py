@@ -79,6 +79,7 @@ class Report:
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     series: dict[str, list] = field(default_factory=dict)  # raw samples for plots (benchmarks/_docs.py)
+    peers: dict[str, dict[str, str]] = field(default_factory=dict)  # docker/podman beside weenv: version, how run
 
     def add(self, metric: str, value: float, unit: str, *, p99: float | None = None, baseline: float | None = None,
             baseline_label: str | None = None, higher_is_better: bool = False, goal: str | None = None,

@@ -101,7 +101,7 @@ def main() -> None:
                     r = env.exec(["busybox", "wget", "-q", "-O", "/dev/null", url], timeout_s=600)
                     if r.exit_code:
                         print("env wget:", r.exit_code, r.stderr.decode(errors="replace")[-500:])
-                        print(c._request("GET", f"/v1/envs/{env.id}/network").json())
+                        print(env.network())
                         print(subprocess.run(["ip", "netns", "exec", world.netns, "ss", "-ltn"], capture_output=True, text=True).stdout)
                     return r.exit_code
 

@@ -25,18 +25,22 @@ BENCHMARKS = [
     ("envlet_fair", "cold reads under a neighbour's lookup storm vs alone, fairness off and on", 900),
     ("layer_trees", "hot layers as local trees vs served by the envlet", 900),
     ("start_crun", "runtime: create+start+exec vs bare crun run", 900),
-    ("start", "warm start through the daemon vs bare crun run", 900),
+    ("start", "warm start through the daemon vs bare crun run, docker run and podman run", 900),
     ("runtimes", "crun vs gVisor: start latency and exec round trip in the same run", 900),
     ("isolation", "user namespaces: start latency and exec round trip with vs without, same run", 900),
     ("e2b_api", "E2B SDK through weenv serve vs the native client: start, command, files, 64 at once", 900),
     ("network", "egress envs: start vs network = none, NAT vs loopback throughput", 900),
     ("snapshot", "pause, resume, commit, fork vs cp -a", 900),
+    ("memory_snapshots", "gVisor memory snapshots: park, resume, fork ×3 vs cold start + rebuild, vs bare runsc", 900),
+    ("peers_fork", "commit + fork x8 of a running env vs docker / podman commit + 8 x run", 900),
     ("monitor_overhead", "monitor CPU per 100 envs", 900),
     ("density", "density and overcommit: static vs elastic sizing", 3600),
     ("rollout", "slime rollout step: fresh env per sample vs fork per group", 1800),
     ("package", "task packaging: group per task vs image per task", 1800),
     ("cluster", "placement time at 1,000 nodes; cache-aware vs round-robin registry bytes", 600),
     ("peer_tier", "K nodes cold-starting one image at once: registry bytes and start time, peer tier on vs off", 1800),
+    ("intake", "image intake: weenv pull (per-layer conversion) vs docker pull of a 1 GiB image", 1800),
+    ("corpus", "task corpus: regrouped vs registry bytes, bytes fetched to start, weenv build -f vs docker build", 2400),
 ]
 ROOT = Path(__file__).resolve().parent.parent
 

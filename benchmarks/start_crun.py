@@ -5,7 +5,8 @@
 Measured in one run on a busybox rootfs (already on disk, no overlay, no envlet):
 
 - baseline: ``crun run`` of a stock ``crun spec`` (echo, no terminal), spawned the way any
-  caller on this host must (in a private mount namespace when the host is hybrid), to exit;
+  caller on this host must (in a private mount namespace when the host is hybrid), to exit
+  (:class:`BareCrun`; benchmarks/start.py runs it in weenv's user namespace mapping too);
 - weenv: ``create`` + ``start`` + first ``exec`` (echo) through :class:`CrunRuntime` with the full
   spec (seccomp, masked paths, /etc files, nodev root, cgroups) until the output is back;
 - exec round trip of ``echo`` in a running env.
@@ -31,6 +32,7 @@ import trio
 
 from weenv.provision.runtime._hostcheck import bind_unified_controllers_to_v1, detect_host, private_mount_ns_recipe
 from weenv.provision.runtime._hostcheck import unbind_v1_controllers
+from weenv.provision.runtime._ns import in_fresh_thread
 from weenv.provision.runtime._runtime import CrunRuntime, prepare_bundle
 from weenv.provision.cgroups import detect_backend
 
@@ -53,31 +55,80 @@ def make_rootfs(root: str) -> None:
     os.chmod(os.path.join(root, "tmp"), 0o1777)
 
 
-def bare_crun_run(work: str, rootfs: str, n: int, host) -> list[float]:
-    bundle = os.path.join(work, "bare")
-    os.makedirs(bundle)
-    subprocess.run(["crun", "spec"], cwd=bundle, check=True)
-    with open(os.path.join(bundle, "config.json")) as f:
-        spec = json.load(f)
-    spec["process"]["terminal"] = False
-    spec["process"]["args"] = ["echo", "hi"]
-    spec["root"] = {"path": rootfs, "readonly": True}
-    spec["linux"].pop("resources", None)
-    with open(os.path.join(bundle, "config.json"), "w") as f:
-        json.dump(spec, f)
-    state = os.path.join(work, "bare-state")
-    pre = private_mount_ns_recipe(host.unified_mount) if host.crun_needs_private_mount_ns else None
-    out = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        r = subprocess.run(
-            ["crun", "--root", state, "--cgroup-manager=disabled", "run", "--bundle", bundle, f"bare{i}"],
-            stdin=subprocess.DEVNULL, capture_output=True, preexec_fn=pre,
-        )  # fmt: skip
-        out.append(time.perf_counter() - t0)
-        if r.stdout != b"hi\n":
-            raise SystemExit(f"bare crun run failed: {r.returncode} {r.stderr!r}")
-    return out
+class BareCrun:
+    """``crun run`` (create, start, wait, delete) of ``echo hi`` in a stock ``crun spec`` config on a
+    read-only copy of ``rootfs``, spawned the way any caller on this host must (from a thread in a
+    private mount namespace when the host is hybrid; no fork of this process). ``idmap``: in a user
+    namespace mapping ids 0..65535 onto that host range (as weenv's envs run by default), the copy
+    owned by the range and the root named relative to the bundle; crun is then ``crun``'s stock
+    binary (which copies itself on every start, unlike weenv's sealed copy: ``crun`` names another).
+
+    stdin is an empty pipe, never /dev/null: crun 1.8 fchowns its std streams to the user
+    namespace's root (crun #1845), which would hand the host's /dev/null to the range."""
+
+    def __init__(self, work: str, rootfs: str, host, *, idmap=None, crun: str = "crun"):  # type: ignore[no-untyped-def]
+        self.bundle = os.path.join(work, "bare")
+        os.makedirs(self.bundle)
+        subprocess.run(["crun", "spec"], cwd=self.bundle, check=True)
+        with open(os.path.join(self.bundle, "config.json")) as f:
+            spec = json.load(f)
+        spec["process"]["terminal"] = False
+        spec["process"]["args"] = ["echo", "hi"]
+        spec["linux"].pop("resources", None)
+        root = rootfs
+        if idmap is not None:
+            root = os.path.join(self.bundle, "rootfs")
+            shutil.copytree(rootfs, root, symlinks=True)
+            for dirpath, dirnames, filenames in os.walk(root):
+                for name in [".", *dirnames, *filenames]:
+                    path = os.path.join(dirpath, name)
+                    st = os.lstat(path)
+                    os.lchown(path, idmap.host(st.st_uid), idmap.host(st.st_gid))
+            os.chown(self.bundle, 0, idmap.base)
+            os.chmod(self.bundle, 0o710)  # the range's root walks into the bundle only
+            spec["linux"]["namespaces"].append({"type": "user"})
+            mapping = [{"containerID": 0, "hostID": idmap.base, "size": idmap.count}]
+            spec["linux"]["uidMappings"] = mapping
+            spec["linux"]["gidMappings"] = [dict(m) for m in mapping]
+            root = "rootfs"
+        spec["root"] = {"path": root, "readonly": True}
+        with open(os.path.join(self.bundle, "config.json"), "w") as f:
+            json.dump(spec, f)
+        self.state = os.path.join(work, "bare-state")
+        self.crun = crun
+        self.pre = private_mount_ns_recipe(host.unified_mount) if host.crun_needs_private_mount_ns else None
+        self.runs = 0
+
+    def run_once(self) -> float:
+        """Seconds from spawning ``crun run`` to its exit, its output checked."""
+        self.runs += 1
+        name = f"bare{self.runs}"
+
+        def spawn() -> tuple[float, subprocess.CompletedProcess]:
+            if self.pre is not None:
+                self.pre()
+            r, w = os.pipe2(os.O_CLOEXEC)
+            os.close(w)
+            try:
+                t0 = time.perf_counter()
+                done = subprocess.run(
+                    [self.crun, "--root", self.state, "--cgroup-manager=disabled", "run", "--bundle", self.bundle, name],
+                    stdin=r, capture_output=True, cwd=self.bundle,
+                )  # fmt: skip
+                return time.perf_counter() - t0, done
+            finally:
+                os.close(r)
+
+        took, done = in_fresh_thread(spawn)  # type: ignore[misc]
+        if done.stdout != b"hi\n":
+            raise SystemExit(f"bare crun run failed: {done.returncode} {done.stderr!r}")
+        return took
+
+
+def bare_crun_run(work: str, rootfs: str, n: int, host, *, idmap=None) -> list[float]:  # type: ignore[no-untyped-def]
+    """``n`` runs of :class:`BareCrun`, in seconds."""
+    bare = BareCrun(work, rootfs, host, idmap=idmap)
+    return [bare.run_once() for _ in range(n)]
 
 
 async def weenv_runs(work: str, rootfs: str, n: int, host, tag: str) -> dict[str, list[float]]:

@@ -50,7 +50,8 @@ class EvaluatorSpec(_Strict):
 class EnvSpec(_Strict):
     """Everything one sample needs from weenv. See docs/slime.md for each key."""
 
-    #: A plan or lock file path, or an inline plan table. One of ``plan`` / ``snapshot`` is needed.
+    #: A plan or lock file path, an image REF (docs/images.md), or an inline plan table. One of ``plan`` /
+    #: ``snapshot`` is needed.
     plan: str | dict[str, Any] | None = None
     #: A snapshot id (``snap-…``) to start from instead of a plan.
     snapshot: str | None = None

@@ -367,7 +367,7 @@ class Episode:
                     if hasattr(client, "delete_snapshot"):
                         await client.delete_snapshot(snapshot)
                     else:  # the async client has no wrapper for this route yet
-                        await client._request("DELETE", f"/v1/snapshots/{snapshot}")
+                        await client.delete_snapshot(snapshot)
                 self.state.stats["snapshots_deleted"] += 1
             except Exception as e:  # noqa: BLE001 - a leftover snapshot costs disk, not the sample
                 logger.warning("[weenv] could not delete snapshot %s: %s", snapshot, e)

@@ -14,4 +14,5 @@ pytest_plugins = [
     "tests.fixtures_runtime",
     "tests.fixtures_slime",
     "tests.fixtures_daemon",
+    "tests.fixtures_docker",
 ]

@@ -63,17 +63,17 @@ def weenv_serve(weenv_daemon: DaemonHandle) -> Iterator[Served]:
 
 
 def start_serve(weenv_daemon: DaemonHandle, keys: dict[str, str], *, tls: tuple[str, str] | None = None,
-                ca: str | None = None) -> Served:
+                ca: str | None = None, args: list[str] | None = None, env: dict[str, str] | None = None) -> Served:
     """A ``weenv serve`` process on a free port of 127.0.0.1, once it answers (``tls``: cert and key
-    files, ``ca``: what signed the cert)."""
+    files, ``ca``: what signed the cert; ``args``: more options; ``env``: more variables)."""
     port = _free_port()
     log_path = os.path.join(weenv_daemon.home, "serve.log")
     log = open(log_path, "ab")
     proc = subprocess.Popen([sys.executable, "-m", "weenv", "serve", "--listen", f"127.0.0.1:{port}",
                              "--socket", weenv_daemon.socket, "--domain", "weenv.test",
-                             *(["--tls-cert", tls[0], "--tls-key", tls[1]] if tls else [])],
-                            env=weenv_daemon.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                            start_new_session=True)
+                             *(["--tls-cert", tls[0], "--tls-key", tls[1]] if tls else []), *(args or [])],
+                            env={**weenv_daemon.env_vars(), **(env or {})}, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=log, start_new_session=True)
     log.close()
     url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     served = Served(url, weenv_daemon.home, keys, weenv_daemon, log_path, proc)

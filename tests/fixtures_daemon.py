@@ -46,6 +46,8 @@ def daemon(weenv_daemon: DaemonHandle) -> Iterator[DaemonHandle]:
             c.get(env_id).kill()
         for snap in c.snapshots():
             c.delete_snapshot(snap["id"])
+        for vol in c.volumes():
+            c.delete_volume(vol.id)
 
 
 __all__ = ["DaemonHandle", "busybox_plan", "daemon", "leftovers", "teardown_private_daemon", "wait_for",

@@ -193,8 +193,10 @@ def _into_range(rootfs: str, idmap) -> None:
         p = os.path.dirname(p)
 
 
-async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgroup=None, **spec_options) -> EnvHandle:
-    """Prepare a bundle next to ``rootfs``, create and start the env."""
+async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgroup=None, before_start=None,
+                    **spec_options) -> EnvHandle:
+    """Prepare a bundle next to ``rootfs``, create and start the env (``before_start(init_pid)``
+    runs between the two)."""
     from weenv.provision.runtime._idmap import apply_userns, own_cgroups_only
     from weenv.provision.runtime._runtime import prepare_bundle
 
@@ -210,6 +212,8 @@ async def start_env(runtime, tmp_path, rootfs: str, *, env_id: str = "env1", cgr
             spec = own_cgroups_only(spec, [os.path.dirname(p) for p in cgroup.procs_paths()], "v1")
     procs = cgroup.procs_paths() if cgroup is not None else []
     pid = await runtime.create(env_id, bundle, rootfs, spec, procs)
+    if before_start is not None:
+        before_start(pid)
     await runtime.start(env_id)
     return EnvHandle(runtime, env_id, bundle, rootfs, procs, pid)
 

@@ -505,8 +505,10 @@ def test_answer_structs_cover_what_the_daemon_records_hold(tmp_path):
 
     rec = EnvRecord(id="e-1", name="e", status="running", lock={"groups": [{"name": "os"}]})
     public = rec.public(str(tmp_path))
-    # the daemon adds the env's live resources and its egress network view to the record's own fields
-    assert set(public) | {"resources", "network"} == set(wire.EnvInfo.__struct_fields__)
+    # the daemon adds the env's live resources and its egress network view to the record's own fields;
+    # weenv serve adds the env's tokens for its owner
+    assert set(public) | {"resources", "network", "access_token", "traffic_token"} == \
+        set(wire.EnvInfo.__struct_fields__)
     msgspec.convert({**public, "resources": None, "network": None}, wire.EnvInfo)
     snap = SnapshotRecord(id="snap-1", source_env="e-1", lock={"name": "p"})
     assert set(snap.public()) == set(wire.SnapshotInfo.__struct_fields__)

@@ -36,18 +36,14 @@ class FakeClient:
         self.calls: list[tuple[str, str]] = []
         self.snapshot_lock = snapshot_lock
 
-    def _request(self, method: str, path: str, **kw: object):  # type: ignore[no-untyped-def]
-        self.calls.append((method, path))
-        if path.startswith("/v1/snapshots/") and self.snapshot_lock is not None:
-            lock = self.snapshot_lock
+    def snapshot(self, snapshot_id: str):  # type: ignore[no-untyped-def]
+        """As weenv.Client.snapshot: the daemon's SnapshotDetail."""
+        from weenv import _wire as wire
 
-            class R:
-                @staticmethod
-                def json() -> dict:
-                    return {"id": path.rsplit("/", 1)[1], "layers": [], "lock": lock}
-
-            return R()
-        raise Reached(path)
+        self.calls.append(("GET", f"/v1/snapshots/{snapshot_id}"))
+        if self.snapshot_lock is None:
+            raise Reached(snapshot_id)
+        return wire.SnapshotDetail(id=snapshot_id, layers=[], lock=self.snapshot_lock)
 
     def create(self, *a: object, **kw: object):  # type: ignore[no-untyped-def]
         self.calls.append(("create", ""))

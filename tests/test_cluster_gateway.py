@@ -12,7 +12,8 @@ import pytest
 
 from weenv.cluster import PlacementError, PlacementRequest
 from weenv.cluster._agent import token_digest
-from weenv.cluster._gateway import ClusterBackend
+from weenv._wire import HttpError
+from weenv.cluster._backend import ClusterBackend
 from weenv.cluster._nodeapi import NodeApi, bearer_of
 
 MiB = 1 << 20
@@ -86,23 +87,28 @@ def test_bearer_of_reads_only_the_authorization_header():
 class _FakeCluster:
     """Only what request_for_body reads (a unit test of how a body becomes a request)."""
 
-    def _request(self, plan, snapshot):
+    def placement_request(self, plan, snapshot):
         return PlacementRequest(layers=(("sha256:" + "a" * 64, 5 * MiB),), cpu_min_cores=0.05,
                                 memory_min_bytes=32 * MiB, memory_max_bytes=256 * MiB), {}
 
 
 def test_a_create_body_becomes_a_placement_request_with_its_overrides():
     backend = ClusterBackend(_FakeCluster(), "tok")  # type: ignore[arg-type]
-    lock = {"lock_version": 1, "groups": []}
+    lock = {"lock_version": 1, "name": "p", "groups": [{
+        "name": "os", "ref": "127.0.0.1:5000/ct/os:t", "class": "os", "digest": "sha256:" + "b" * 64,
+        "layer_digest": "sha256:" + "a" * 64, "layer_size": 5 * MiB, "toc_digest": "sha256:" + "c" * 64,
+        "registry": "127.0.0.1:5000", "repo": "ct/os"}]}  # read by the plan codec: a lock it accepts
     req = backend.request_for_body({"plan": lock, "overrides": {"cpu": "0.9-1", "memory": "64MiB-1GiB"}})
     assert req.cpu_min_cores == 0.9 and req.memory_min_bytes == 64 * MiB and req.memory_max_bytes == 1 << 30
     assert req.layers  # the lock's layers: what cache affinity counts
-    text = backend.request_for_body({"plan_text": '{"lock_version": 1}', "format": "json"})
+    text = backend.request_for_body({"plan_text": __import__("json").dumps(lock), "format": "json"})
     assert text.cpu_min_cores == 0.05 and text.layers
-    plain = backend.request_for_body({"plan": {"name": "p", "resources": {"cpu": {"min": 0.5}}}})
+    plain = backend.request_for_body({"plan": {"name": "p", "groups": [{"name": "os", "ref": "debian:12", "class": "os"}],
+                                               "resources": {"cpu": {"min": 0.5}}}})
     assert plain.cpu_min_cores == 0.5 and plain.layers == ()  # not a lock: minimums and load only
-    with pytest.raises(PlacementError, match="overrides"):
+    with pytest.raises(HttpError, match="overrides") as bad:
         backend.request_for_body({"plan": lock, "overrides": {"cpu": "lots"}})
+    assert (bad.value.status, bad.value.kind) == (400, "bad_request")  # the caller's mistake: not a full node
 
 
 def test_the_gateway_backend_needs_the_cluster_token():
@@ -124,8 +130,12 @@ def test_a_ray_client_address_without_rays_client_installed_says_what_to_install
     with pytest.raises(ClusterError, match=r"ray://127\.0\.0\.1:1: a ray:// address needs Ray's client.*"
                                            r"pip install 'ray\[client\]'"):
         join_ray("ray://127.0.0.1:1", namespace="weenv")
+    from weenv.cluster import client
+
     with pytest.raises(ClusterError, match="needs Ray's client"):
-        weenv.Client("ray://127.0.0.1:1")  # the client's lookup of the gateway goes the same way
+        client("ray://127.0.0.1:1")  # the lookup of the gateway goes the same way
+    with pytest.raises(weenv.WeenvError, match=r"weenv\.cluster\.client"):
+        weenv.Client("ray://127.0.0.1:1")  # the client itself knows no cluster: it says where to look
 
 
 def test_an_env_port_tunnel_reaches_the_daemon_through_its_node_api_with_the_cluster_token(tmp_path):

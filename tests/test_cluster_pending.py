@@ -8,12 +8,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from weenv.cluster import Capacity, Cluster, EnvHeld, LayerHeld, NodeReport, NodeState
+from weenv.plan import Lock, plan_from_builtins, plan_to_builtins
 
 MiB = 1 << 20
 GiB = 1 << 30
 LAYERS = [("sha256:" + "1" * 64, 300 * MiB), ("sha256:" + "2" * 64, 50 * MiB)]
-LOCK = {"lock_version": 1, "groups": [{"layer_digest": d, "layer_size": s} for d, s in LAYERS],
-        "resources": {"cpu": {"min": 0.02}, "memory": {"min": 16 * MiB, "max": 128 * MiB}}}
+LOCK = plan_to_builtins(plan_from_builtins({  # as the cluster sends it: the plan codec's builtins
+    "lock_version": 1, "name": "p", "groups": [
+        {"name": f"g{i}", "ref": f"127.0.0.1:5000/ct/g{i}:t", "class": "os" if i == 0 else "task",
+         "digest": "sha256:" + f"{i + 7}" * 64, "layer_digest": d, "layer_size": s, "toc_digest": "sha256:" + "9" * 64,
+         "registry": "127.0.0.1:5000", "repo": f"ct/g{i}"} for i, (d, s) in enumerate(LAYERS)],
+    "resources": {"cpu": {"min": 0.02}, "memory": {"min": 16 * MiB, "max": 128 * MiB}}}, Lock))
 
 
 def report(name: str, seq: int = 1, envs: tuple[str, ...] = ()) -> NodeReport:
@@ -68,7 +73,7 @@ def test_a_burst_of_concurrent_creates_spreads_over_equally_cached_nodes():
     assert len(cluster._pending) == 12  # done, not yet in any report: still counted
     for name, node in nodes.items():  # the nodes report their envs: nothing pending any more
         cluster.reconciler.nodes[name].report = report(name, seq=2, envs=tuple(node.made))
-    view = cluster._current_view()
+    view = cluster.current_view()
     assert not cluster._pending and [n.envs for n in view.nodes] == [4, 4, 4]
 
 
@@ -79,9 +84,9 @@ def test_a_failed_create_stops_counting_and_an_unseen_one_expires(monkeypatch):
     nodes, ticket = cluster.place(cc.request_for(LOCK))
     assert nodes[0] == "a" and cluster.place(cc.request_for(LOCK))[0][0] == "b"  # a holds one pending
     cluster.settle(ticket, None)  # that create failed
-    assert [n.envs for n in cluster._current_view().nodes] == [0, 1, 0]
+    assert [n.envs for n in cluster.current_view().nodes] == [0, 1, 0]
     monkeypatch.setattr(cc, "PENDING_TTL_S", 0.0)
-    assert [n.envs for n in cluster._current_view().nodes] == [0, 0, 0] and not cluster._pending
+    assert [n.envs for n in cluster.current_view().nodes] == [0, 0, 0] and not cluster._pending
 
 
 def test_an_env_killed_before_any_report_listed_it_stops_counting():
@@ -89,7 +94,7 @@ def test_an_env_killed_before_any_report_listed_it_stops_counting():
     envs = [cluster.create(LOCK) for _ in range(3)]  # the slow nodes' reports never show them
     assert len(cluster._pending) == 3
     envs[0].cluster._forget(envs[0].id)  # what ClusterEnv.kill does once the daemon killed it
-    assert [n.envs for n in cluster._current_view().nodes] == [0, 1, 1]
+    assert [n.envs for n in cluster.current_view().nodes] == [0, 1, 1]
 
 
 def test_the_report_fetched_right_after_a_create_settles_it():

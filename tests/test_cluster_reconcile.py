@@ -212,3 +212,71 @@ def test_a_late_answer_never_replaces_a_newer_report():
     entry.report = newer  # what the cluster fetched right after a create
     run(r, clock, 1.0)  # the poll answers with an older sequence number
     assert entry.report is newer and entry.state is NodeState.HEALTHY
+
+
+class DownAgent(FakeAgent):
+    """An agent whose reports, once ``down`` is set, are the last report of a node taken down."""
+
+    down = ""
+
+    def start_report(self):
+        call = super().start_report()
+        if not self.down:
+            return call
+        down = self.down
+
+        class Last(FakeCall):
+            def result(self):
+                import msgspec
+
+                return msgspec.structs.replace(FakeCall.result(self), down=down, healthy=False, accepting=False)
+
+        return Last(self)
+
+
+@pytest.mark.parametrize("healthy_first", [True, False])
+def test_a_node_taken_down_is_lost_at_its_next_report_whatever_its_state(healthy_first):
+    # `weenv cluster stop-node`: the agent stays and answers, so nothing fails; its report says it is down
+    r, clock, lost = make()
+    a, b = DownAgent("a"), FakeAgent("b")
+    r.add(a)
+    r.add(b)
+    if healthy_first:
+        run(r, clock, 2.0)
+        assert r.nodes["a"].state is NodeState.HEALTHY
+    a.down = "weenv cluster stop-node: daemon stopped, envs killed"
+    run(r, clock, 1.5)  # one poll answered: far below failure_threshold polls or the start timeout
+    assert r.nodes["a"].state is NodeState.LOST, r.nodes["a"]
+    assert r.nodes["a"].lost_reason == "taken down: weenv cluster stop-node: daemon stopped, envs killed"
+    assert [e.name for e in lost] == ["a"] and [x.id for x in lost[0].report.envs] == ["a-bb-1"]
+    assert r.nodes["b"].state is NodeState.HEALTHY and [x.node for x in r.reports()] == ["b"]
+
+
+def test_a_stopped_agent_reports_itself_down_and_refuses_calls(tmp_path, monkeypatch):
+    from weenv.cluster import ClusterError, NodeAgent
+    from weenv.cluster._agent import token_digest
+
+    monkeypatch.setenv("WEENV_HOME", str(tmp_path))
+    monkeypatch.delenv("WEENV_CLUSTER_TOKEN", raising=False)
+    agent = NodeAgent(token_sha256=token_digest("s3cret"), ray_node_id="ef" * 28, start_daemon=False,
+                      report_interval_s=60)
+    try:
+        seq = agent.report("s3cret").seq
+        with pytest.raises(ClusterAuthError):
+            agent.stop("wrong")
+        answer = agent.stop("s3cret", reason="weenv cluster stop-node")
+        assert answer["down"] and not answer["daemon_stopped"] and answer["home"] == str(tmp_path)
+        last = agent.report("s3cret")
+        assert last.seq > seq and last.down and not last.accepting and not last.healthy
+        assert "daemon and envs left running" in last.down and last.problem.startswith("taken down")
+        assert agent.refresh("s3cret") == last  # a fresh report never writes over it
+        agent._refresh()
+        assert agent.report("s3cret") == last
+        with pytest.raises(ClusterError, match="was taken down .*restart Ray"):
+            agent.request("s3cret", "GET", "/v1/envs")
+        assert agent.hello()["down"] == last.down
+        again = agent.stop("s3cret", stop_daemon=True, kill_envs=True, timeout_s=5)  # no daemon, no envs here
+        assert again["daemon_stopped"] and not again["daemon_was_running"] and again["envlet_pid"] is None
+        assert "daemon stopped, envs killed" in agent.report("s3cret").down
+    finally:
+        agent._stop.set()

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from tests.fixtures_runtime import USER_GID, USER_UID, start_env, userns_idmap
-from weenv.provision.envs._files import resolve_user
+from weenv.provision.envs._fileops import resolve_user
 from weenv.provision.runtime._ocispec import BindMount
 from weenv.testing import cached, check_executable
 

@@ -231,6 +231,44 @@ def test_daemon_sigkill_then_restart_readopts_live_envs(daemon):
     assert leftovers(daemon) == []
 
 
+def test_a_pause_without_memory_ends_the_processes_keeps_the_files_and_boots_again(daemon):
+    """Issue 29 item 12 (daemon side): ``pause(memory=False)`` ends every process of the env and keeps
+    its files; it holds no memory while paused; resume boots it again (a new boot id, processes gone),
+    a daemon restart keeps it paused, commit and kill still work; gc leaves it alone."""
+    with daemon.client() as c:
+        env = c.create(daemon.plan_lock)
+        env.exec(["sh", "-c", "echo kept > /root/state; (sleep 1000 &) ; sleep 0.1"])
+        boot = env.exec(["cat", "/proc/sys/kernel/random/boot_id"]).stdout
+        env.pause(memory=False)
+        assert c.get(env.id).info["status"] == "paused"
+        assert env.id not in c.top()["envs"]  # nothing running: nothing for the monitor to hold
+        with pytest.raises(weenv.ApiError, match="paused"):
+            env.exec(["true"])
+        assert env.read_file("/root/state") == b"kept\n"  # files stay readable
+        env.pause(memory=False)  # again: nothing to do
+        assert c.gc()["envs"] == []
+    daemon.kill9()
+    daemon.start()
+    with daemon.client() as c:
+        assert {e["id"]: e["status"] for e in c.list()} == {env.id: "paused"}
+        env = c.get(env.id)
+        env.resume()
+        assert env.exec(["cat", "/root/state"]).stdout == b"kept\n"
+        assert env.exec(["cat", "/proc/sys/kernel/random/boot_id"]).stdout != boot
+        assert env.exec(["sh", "-c", "ps -o args | grep -c '^[s]leep 1000'"]).stdout.strip() == b"0"
+        env.write_file("/root/two", "2")
+        env.pause()  # a frozen env may end its processes too
+        env.pause(memory=False)
+        env.resume()
+        assert env.exec(["cat", "/root/two"]).stdout == b"2"
+        env.pause(memory=False)
+        child = c.create(env.commit())  # a commit of its files
+        assert child.exec(["cat", "/root/state"]).stdout == b"kept\n"
+        child.kill()
+        env.kill()
+    assert leftovers(daemon) == []
+
+
 def test_cli_up_exec_ps_kill(daemon):
     env_vars = daemon.env_vars()
 
@@ -299,7 +337,7 @@ def test_warm_pool_hands_out_started_envs_and_drops_idle_pools(tmp_path, monkeyp
     finally:
         log = d.log()
         left = teardown_private_daemon(d)
-        assert left == [], log[-5000:]
+        assert left == [], (left, log[-5000:])
 
 
 def test_the_agent_socket_is_out_of_reach_inside_the_env(daemon):

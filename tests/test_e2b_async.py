@@ -152,3 +152,29 @@ def test_async_commands_on_process_handles(served: Served) -> None:
             await sbx.kill()
 
     asyncio.run(main())
+
+
+def test_async_remove_connect_and_list_as_e2b(served: Served) -> None:
+    """Issue 29 items 2, 8, 9 on the async SDK: a missing path's remove is silent, connect never
+    shortens the time left, the list is newest first."""
+    import datetime as dt
+
+    async def left(sandbox_id: str) -> float:
+        info = await e2b.AsyncSandbox.get_info(sandbox_id)
+        return (info.end_at - dt.datetime.now(dt.timezone.utc)).total_seconds()
+
+    async def main() -> None:
+        older = await e2b.AsyncSandbox.create("bb", timeout=600, metadata={"list": "async9"})
+        newer = await e2b.AsyncSandbox.create("bb", timeout=120, metadata={"list": "async9"})
+        try:
+            await older.files.remove("/tmp/not-there")
+            await e2b.AsyncSandbox.connect(older.sandbox_id, timeout=30)
+            assert await left(older.sandbox_id) > 500
+            query = e2b.SandboxQuery(metadata={"list": "async9"})
+            listed = await e2b.AsyncSandbox.list(query=query).next_items()
+            assert [x.sandbox_id for x in listed] == [newer.sandbox_id, older.sandbox_id]
+        finally:
+            await older.kill()
+            await newer.kill()
+
+    asyncio.run(main())

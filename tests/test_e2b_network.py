@@ -62,3 +62,20 @@ def test_network_options_and_update(egress_served: Served, monkeypatch: pytest.M
     finally:
         only_a.kill()
         closed.kill()
+
+
+def test_internet_access_comes_with_a_resolver(egress_served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29 item 14: a sandbox with internet access resolves names (the node's resolver, here the
+    outside's), as on E2B; a tenant's answers in a reserved range (the metadata address) are dropped."""
+    for k, v in egress_served.e2b_env().items():
+        monkeypatch.setenv(k, v)
+    sbx = e2b.Sandbox.create("bb", timeout=120, allow_internet_access=True)
+    try:
+        assert "nameserver" in sbx.commands.run("cat /etc/resolv.conf").stdout
+        assert OUT_A in sbx.commands.run("busybox nslookup svc.test", timeout=30).stdout
+        out = sbx.commands.run(f"busybox timeout 3 busybox wget -q -O - http://other.test:{PORT}/id", timeout=20)
+        assert out.stdout.strip() == f"{OUT_B}:{PORT}"
+        looked = sbx.commands.run("busybox nslookup meta.test || true", timeout=30)
+        assert "169.254" not in looked.stdout + looked.stderr
+    finally:
+        sbx.kill()

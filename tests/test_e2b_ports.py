@@ -44,10 +44,11 @@ def test_get_host_reaches_an_http_server_in_the_env(served: Served) -> None:
         assert r.status_code == 404  # the env's server answered
         r = httpx.get(f"{served.url}/proxy/{sbx.sandbox_id}/8000/index.html", timeout=5)
         assert r.status_code == 200 and r.text == "hello from the env\n"
-        r = httpx.get(served.url + "/", headers={"Host": sbx.get_host(8001)}, timeout=5)
-        assert r.status_code == 502 and "port 8001 is not open" in r.json()["message"]
-        r = httpx.get(served.url + "/", headers={"Host": "8000-bb-00000000.weenv.test"}, timeout=5)
-        assert r.status_code == 404
+        closed = httpx.get(served.url + "/", headers={"Host": sbx.get_host(8001)}, timeout=5)
+        assert closed.status_code == 502 and "no open port 8001" in closed.json()["message"]
+        unknown = httpx.get(served.url + "/", headers={"Host": f"8001-{sbx.sandbox_id[:-1]}x.weenv.test"}, timeout=5)
+        assert (unknown.status_code, unknown.json()["message"].replace(sbx.sandbox_id[:-1] + "x", sbx.sandbox_id)) \
+            == (502, closed.json()["message"])  # a closed port and an unknown sandbox answer the same
     finally:
         sbx.kill()
 
@@ -59,13 +60,16 @@ def test_private_traffic_needs_the_traffic_token(served: Served) -> None:
         assert token and token != sbx._envd_access_token
         _httpd(sbx, 8000)
         host = sbx.get_host(8000)
-        r = httpx.get(served.url + "/index.html", headers={"Host": host}, timeout=5)
-        assert r.status_code == 403
-        r = httpx.get(served.url + "/index.html", headers={"Host": host, "e2b-traffic-access-token": "wet_x"},
-                      timeout=5)
-        assert r.status_code == 403
         r = _wait_http(served.url + "/index.html", host, {"e2b-traffic-access-token": token})
         assert r.status_code == 200 and r.text == "hello from the env\n"
+        r = httpx.get(served.url + "/index.html", headers={"Host": host}, timeout=5)
+        assert r.status_code == 502 and "no open port 8000" in r.json()["message"]  # as if nothing listened
+        r = httpx.get(served.url + "/index.html", headers={"Host": host, "e2b-traffic-access-token": "wet_x"},
+                      timeout=5)
+        assert r.status_code == 502
+        r = httpx.get(served.url + "/index.html", headers={"Host": host, "X-Access-Token": sbx._envd_access_token},
+                      timeout=5)
+        assert r.status_code == 200  # the env's access token opens its ports too
     finally:
         sbx.kill()
 
@@ -116,3 +120,30 @@ def test_websocket_through_get_host(served: Served) -> None:
         assert [e.data for e in got if isinstance(e, ws.TextMessage)] == ["hello"]
     finally:
         sbx.kill()
+
+
+_ECHO_HOST = r"""
+host=
+while read -r h; do
+  h=$(printf %s "$h" | tr -d "\r")
+  [ -z "$h" ] && break
+  case "$h" in [Hh]ost:*) host=${h#*: };; esac
+done
+printf 'HTTP/1.0 200 OK\r\nContent-Length: %s\r\n\r\n%s' "${#host}" "$host"
+"""
+
+
+def test_mask_request_host_is_the_host_the_env_sees(served: Served) -> None:
+    """Issue 29 item 13: ``network.mask_request_host`` (``${PORT}`` replaced) is the Host header the
+    env's server gets on proxied requests; a mask that is not a host name is a 400 naming it."""
+    sbx = e2b.Sandbox.create("bb", timeout=120, network={"mask_request_host": "${PORT}-masked.example.test"})
+    try:
+        # a server that answers with the Host header it got (it reads the request before it answers)
+        sbx.files.write("/tmp/echo-host.sh", _ECHO_HOST)
+        sbx.commands.run("while true; do nc -l -p 8002 -e /bin/sh /tmp/echo-host.sh; done", background=True).disconnect()
+        r = _wait_http(served.url + "/seen", sbx.get_host(8002))
+        assert (r.status_code, r.text) == (200, "8002-masked.example.test"), r.text
+    finally:
+        sbx.kill()
+    with pytest.raises(e2b.SandboxException, match="maskRequestHost"):
+        e2b.Sandbox.create("bb", timeout=60, network={"mask_request_host": "evil\r\nX-Injected: 1"})

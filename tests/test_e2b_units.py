@@ -14,51 +14,13 @@ import pytest
 from starlette.datastructures import Headers
 
 import weenv
-from weenv.api import Backend, KeyStore, StoreError, TemplateStore, create_app
+from weenv.api._common import env_token
+from weenv.api import NodeBackend, KeyStore, StoreError, TemplateStore, create_app
 from weenv.api._app import sandbox_target
 from weenv.api._connect import END_STREAM, EnvelopeReader
+from weenv.testing import ScriptedDaemon
 
 e2b = pytest.importorskip("e2b")
-
-
-class FakeDaemon(weenv.AsyncClient):
-    """A daemon client whose daemon answers from a script: ``{(method, path): answer}`` with an
-    answer a JSON value, or a weenv.ApiError to answer as the daemon does; unknown paths are
-    env_not_found. ``calls`` records what was asked."""
-
-    def __init__(self, answers: dict[tuple[str, str], Any]):
-        super().__init__("/nonexistent.sock", autostart=False)
-        self.answers, self.calls = answers, []  # type: ignore[var-annotated]
-        self._http = httpx.AsyncClient(transport=httpx.MockTransport(self.handle), base_url="http://weenv")
-
-    async def _ensure(self) -> None:
-        return None
-
-    def answer(self, request: httpx.Request) -> Any:
-        return self.answers.get((request.method, request.url.path))
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        self.calls.append((request.method, request.url.path))
-        answer = self.answer(request)
-        if answer is None:
-            answer = weenv.EnvNotFoundError(404, "env_not_found", f"no {request.url.path}")
-        if isinstance(answer, weenv.ApiError):
-            return httpx.Response(answer.status, json={"error": {"kind": answer.kind, "message": answer.detail}})
-        return httpx.Response(200, json=answer)
-
-
-class OneDaemon(Backend):
-    def __init__(self, client: FakeDaemon):
-        self.client = client
-
-    def for_env(self, env_id: str) -> weenv.AsyncClient:
-        return self.client
-
-    def for_create(self, request: dict[str, Any]) -> weenv.AsyncClient:
-        return self.client
-
-    def all(self) -> list[weenv.AsyncClient]:
-        return [self.client]
 
 
 @pytest.fixture
@@ -80,8 +42,8 @@ def test_full_node_is_a_rate_limit(home: str, tmp_path: Any) -> None:
     lock.write_text('name = "x"\n')
     TemplateStore(home).set("base", str(lock))
     key = KeyStore(home).create("ci")
-    daemon = FakeDaemon({("POST", "/v1/envs"): weenv.ApiError(503, "not_admitted", "the node is full")})
-    app = create_app(OneDaemon(daemon), home=home)
+    daemon = ScriptedDaemon({("POST", "/v1/envs"): weenv.ApiError(503, "not_admitted", "the node is full")})
+    app = create_app(NodeBackend(client=daemon), home=home)
     r = _call(app, "POST", "/v2/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": key})
     assert r.status_code == 429 and r.json() == {"code": 429, "message": "the node is full"}
     assert isinstance(handle_api_exception(r), e2b.RateLimitException)
@@ -92,8 +54,8 @@ def test_unknown_template_and_foreign_env_are_404(home: str) -> None:
 
     alice, bob = KeyStore(home).create("alice"), KeyStore(home).create("bob")
     OwnerTable(home).put_env("e-1", {"owner": "alice"})
-    daemon = FakeDaemon({("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0}})
-    app = create_app(OneDaemon(daemon), home=home)
+    daemon = ScriptedDaemon({("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0}})
+    app = create_app(NodeBackend(client=daemon), home=home)
     r = _call(app, "POST", "/sandboxes", json={"templateID": "nope"}, headers={"X-API-Key": alice})
     assert r.status_code == 404 and "template 'nope' not found" in r.json()["message"]
     assert _call(app, "GET", "/sandboxes/e-1", headers={"X-API-Key": bob}).status_code == 404
@@ -105,14 +67,16 @@ def test_unknown_template_and_foreign_env_are_404(home: str) -> None:
 
 
 def test_gate_routes_and_refuses(home: str) -> None:
-    app = create_app(OneDaemon(FakeDaemon({})), home=home)
-    token = app.state.tokens.mint("e-1")
+    app = create_app(NodeBackend(client=ScriptedDaemon({})), home=home)
+    token = env_token(app.state, "e-1", app.state.owners.env("e-1"))
     base = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": token}
     r = _call(app, "GET", "/health", headers={**base, "E2b-Sandbox-Port": "8080"})
-    assert r.status_code == 404 and "e-1" in r.json()["message"]  # a port of an env the API does not know
-    r = _call(app, "GET", "/proxy/e-1/8080/x")
-    assert r.status_code == 404 and "e-1" in r.json()["message"]
-    r = _call(app, "GET", "/health", headers={"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-2")})
+    assert r.status_code == 503  # its token opens its ports; its daemon does not answer
+    r = _call(app, "GET", "/proxy/e-1/8080/x")  # no credential: the one answer for every refusal
+    assert r.status_code == 502 and "e-1" in r.json()["message"] and "no open port 8080" in r.json()["message"]
+    assert _call(app, "GET", "/proxy/e-9/8080/x").json() == {"code": 502, "message": r.json()["message"].replace(
+        "e-1", "e-9")}
+    r = _call(app, "GET", "/health", headers={"E2b-Sandbox-Id": "e-1", "X-Access-Token": env_token(app.state, "e-2", app.state.owners.env("e-2"))})
     assert r.status_code == 401
     assert app.state.metrics.auth_failures.labels("envd", "wrong_token")._value.get() == 1
     assert _call(app, "GET", "/health", headers={**base}).status_code == 502  # the daemon knows no e-1
@@ -158,7 +122,7 @@ def test_template_store(home: str, tmp_path: Any) -> None:
 
 
 def test_watch_diff() -> None:
-    from weenv.api._envd import _diff
+    from weenv.api._envd_fs import _diff
 
     old = {"a": ("file", 1, 1.0), "d": ("dir", 0, 1.0), "gone": ("file", 1, 1.0)}
     new = {"a": ("file", 2, 2.0), "d": ("dir", 0, 5.0), "new": ("file", 3, 2.0)}
@@ -238,9 +202,9 @@ def test_refresh_sets_the_ttl(home: str) -> None:
 
     alice = KeyStore(home).create("alice")
     OwnerTable(home).put_env("e-1", {"owner": "alice", "timeout_s": 300})
-    daemon = FakeDaemon({("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0},
+    daemon = ScriptedDaemon({("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0},
                          ("POST", "/v1/envs/e-1/ttl"): {"id": "e-1"}})
-    app = create_app(OneDaemon(daemon), home=home)
+    app = create_app(NodeBackend(client=daemon), home=home)
     r = _call(app, "POST", "/sandboxes/e-1/refreshes", json={"duration": 60}, headers={"X-API-Key": alice})
     assert r.status_code == 204 and daemon.calls[-1] == ("POST", "/v1/envs/e-1/ttl")
     assert OwnerTable(home).env("e-1")["timeout_s"] == 60
@@ -278,11 +242,11 @@ def test_cli_token_and_template(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_watchers_are_bounded_per_env(home: str) -> None:
-    from weenv.api._envd import MAX_WATCHERS_PER_ENV
+    from weenv.api._envd_view import MAX_WATCHERS_PER_ENV
 
     files = "/v1/envs/e-1/files"
 
-    class Dirs(FakeDaemon):
+    class Dirs(ScriptedDaemon):
         def answer(self, request: httpx.Request) -> Any:
             op = request.url.params.get("op")
             if request.url.path == files and op == "stat":
@@ -292,8 +256,8 @@ def test_watchers_are_bounded_per_env(home: str) -> None:
                 return []
             return super().answer(request)
 
-    app = create_app(OneDaemon(Dirs({})), home=home)
-    headers = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
+    app = create_app(NodeBackend(client=Dirs({})), home=home)
+    headers = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": env_token(app.state, "e-1", app.state.owners.env("e-1"))}
 
     async def go() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -307,7 +271,7 @@ def test_watchers_are_bounded_per_env(home: str) -> None:
 
 def test_unknown_routes_answer_in_each_surfaces_shape(home: str) -> None:
     key = KeyStore(home).create("ci")
-    app = create_app(OneDaemon(FakeDaemon({})), home=home)
+    app = create_app(NodeBackend(client=ScriptedDaemon({})), home=home)
     r = _call(app, "GET", "/sandboxes/x/nope", headers={"X-API-Key": key})
     assert r.status_code == 404 and r.json() == {"code": 404, "message": "GET /sandboxes/x/nope: not a route "
                                                  "weenv serve has"}
@@ -323,8 +287,8 @@ def test_dot_segments_cannot_reach_another_env(home: str) -> None:
     alice = KeyStore(home).create("alice")
     OwnerTable(home).put_env("mine-1", {"owner": "alice"})
     OwnerTable(home).put_env("theirs-1", {"owner": "bob"})
-    daemon = FakeDaemon({})
-    app = create_app(OneDaemon(daemon), home=home)
+    daemon = ScriptedDaemon({})
+    app = create_app(NodeBackend(client=daemon), home=home)
     for path in ("/v1/envs/mine-1/%2e%2e/theirs-1", "/v1/envs/mine-1//x"):
         r = _call(app, "DELETE", path, headers={"Authorization": f"Bearer {alice}"})
         assert r.status_code == 400, (path, r.text)
@@ -353,9 +317,9 @@ def test_dot_segments_cannot_reach_another_env(home: str) -> None:
 
 def test_daemon_gone_is_unavailable_everywhere(home: str) -> None:
     key = KeyStore(home).create("ci")
-    app = create_app(home=home, backend=OneDaemon(FakeDaemon({})))
+    app = create_app(home=home, backend=NodeBackend(client=ScriptedDaemon({})))
     app.state.backend.client = weenv.AsyncClient(os.path.join(home, "no-daemon.sock"), autostart=False)
-    token = app.state.tokens.mint("e-1")
+    token = env_token(app.state, "e-1", app.state.owners.env("e-1"))
     sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": token}
     r = _call(app, "GET", "/v2/sandboxes", headers={"X-API-Key": key})
     assert r.status_code == 503 and r.json()["message"] == "the node's weenv daemon does not answer"
@@ -370,8 +334,8 @@ def test_daemon_gone_is_unavailable_everywhere(home: str) -> None:
 def test_a_gone_sandbox_is_not_running_to_the_sdk(home: str) -> None:
     from e2b.exceptions import SandboxNotRunningException, format_sandbox_unavailable_exception
 
-    app = create_app(OneDaemon(FakeDaemon({})), home=home)  # the daemon knows no env
-    sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
+    app = create_app(NodeBackend(client=ScriptedDaemon({})), home=home)  # the daemon knows no env
+    sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": env_token(app.state, "e-1", app.state.owners.env("e-1"))}
     answers = [_call(app, "GET", "/files", params={"path": "/x"}, headers=sbx),
                _call(app, "POST", "/files", params={"path": "/x"}, content=b"x",
                      headers={**sbx, "Content-Type": "application/octet-stream"}),
@@ -386,8 +350,8 @@ def test_a_gone_sandbox_is_not_running_to_the_sdk(home: str) -> None:
 def test_bad_rpc_messages_name_the_place(home: str) -> None:
     from weenv.api._connect import envelope
 
-    app = create_app(OneDaemon(FakeDaemon({})), home=home)
-    sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
+    app = create_app(NodeBackend(client=ScriptedDaemon({})), home=home)
+    sbx = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": env_token(app.state, "e-1", app.state.owners.env("e-1"))}
     r = _call(app, "POST", "/filesystem.Filesystem/Stat", json={"path": 7}, headers=sbx)
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument" and "$.path" in r.json()["message"]
     r = _call(app, "POST", "/filesystem.Filesystem/ListDir", json={"path": "/", "depth": -1}, headers=sbx)
@@ -402,3 +366,23 @@ def test_bad_rpc_messages_name_the_place(home: str) -> None:
     (flags, last), = list(reader.feed(r.content))
     assert r.status_code == 200 and flags == END_STREAM
     assert json.loads(last)["error"]["code"] == "invalid_argument" and "$.process.args[0]" in last.decode()
+
+
+def test_image_routing_parses_sizes_and_routes_only_the_sdk_default_template() -> None:
+    from weenv.api import ImageRouting
+    from weenv.api._common import HttpError
+
+    assert ImageRouting.parse_size("sm=1:1GiB") == ("sm", {"cpu": "1", "memory": "1GiB"})
+    assert ImageRouting.parse_size("lg=0.5-2:512MiB-2GiB") == ("lg", {"cpu": "0.5-2", "memory": "512MiB-2GiB"})
+    for bad, msg in (("sm", "NAME=CPU:MEMORY"), ("=1:1GiB", "NAME=CPU:MEMORY"), ("sm=1:", "NAME=CPU:MEMORY"),
+                     ("sm=zero:1GiB", "cores"), ("sm=1:big", "not a size")):
+        with pytest.raises(ValueError, match=msg):
+            ImageRouting.parse_size(bad)
+    r = ImageRouting("image", "size", {"sm": {"cpu": "1", "memory": "1GiB"}})
+    assert r.route("base", {"image": "reg/x:1"}) == ("reg/x:1", {})
+    assert r.route("", {"image": "reg/x:1", "size": "sm"}) == ("reg/x:1", {"cpu": "1", "memory": "1GiB"})
+    assert r.route("my-template", {"image": "reg/x:1"}) is None
+    assert r.route("base", {"other": "reg/x:1"}) is None and r.route("base", None) is None
+    with pytest.raises(HttpError, match=r"metadata.size: 'xl' is not a size this server knows \(sm\)"):
+        r.route("base", {"image": "reg/x:1", "size": "xl"})
+    assert ImageRouting("image").route("base", {"image": "reg/x:1", "size": "xl"}) == ("reg/x:1", {})

@@ -298,7 +298,7 @@ def test_past_its_max_a_process_is_oom_killed_inside_its_own_env_only(edaemon, c
 def prometheus(c: weenv.Client) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    resp = c._request("GET", "/v1/metrics")
+    resp = c.connection.request("metrics")
     assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(resp.text) for s in fam.samples}

@@ -13,7 +13,8 @@ import pytest
 
 from weenv.provision._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
 from weenv.provision._errors import UserNotFoundError
-from weenv.provision.envs._files import OPENAT2_AVAILABLE, RootFS, normalize, resolve_user
+from weenv.provision.envs._fileops import resolve_user
+from weenv.provision.envs._files import OPENAT2_AVAILABLE, RootFS, normalize
 from weenv.provision.runtime._ocispec import User
 
 

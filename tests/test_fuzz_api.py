@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import struct
-import time
 from typing import Any
 
 import httpx
@@ -22,74 +21,34 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import weenv
-from weenv.api import Backend, KeyStore, OwnerTable, create_app
+from tests.fixtures_common import FuzzStats
+from weenv.api import KeyStore, NodeBackend, OwnerTable, create_app
+from weenv.api._common import env_token
 from weenv.api._connect import END_STREAM, Code, EnvelopeReader, FramingError, envelope
+from weenv.testing import ScriptedDaemon
 
 EXAMPLES = int(os.environ.get("WEENV_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                              HealthCheck.too_slow])
 CODES = {c.value for c in Code}
-_stats: dict[str, list[Any]] = {}
-
-
-def _count(target: str, test: str) -> None:
-    now = time.monotonic()
-    s = _stats.setdefault(target, [test, 0, now, now])
-    s[1] += 1
-    s[3] = now
+_stats = FuzzStats("tests/test_fuzz_api.py")
+_count = _stats.count
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _fuzz_stats():  # type: ignore[no-untyped-def]
+    """Each target's examples and time to ``$WEENV_FUZZ_STATS`` (docs/reliability.md, ``make soak``)."""
     yield
-    path = os.environ.get("WEENV_FUZZ_STATS")
-    if path:
-        with open(path, "a") as f:
-            for target, (test, n, t0, t1) in _stats.items():
-                f.write(json.dumps({"target": target, "test": f"tests/test_fuzz_api.py::{test}", "examples": n,
-                                    "duration_s": round(t1 - t0, 2)}) + "\n")
+    _stats.write()
 
 
 # ------------------------------------------------------------------ the app over a fake daemon
 
 
-class FakeDaemon(weenv.AsyncClient):
-    """Knows one running env, ``e-1``; every other call is a 404 (or the answer scripted for it)."""
-
-    def __init__(self) -> None:
-        super().__init__("/nonexistent.sock", autostart=False)
-        self.answers: dict[tuple[str, str], Any] = {
-            ("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0},
-            ("PUT", "/v1/envs/e-1/files"): {"path": "/x", "size_bytes": 1},
-        }
-
-    async def _ensure(self) -> None:
-        return None
-
-    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        content = kw.get("content")
-        if content is not None and hasattr(content, "__aiter__"):
-            async for _ in content:  # a daemon reads what it is sent
-                pass
-        answer = self.answers.get((method, url))
-        if answer is None:
-            raise weenv.EnvNotFoundError(404, "env_not_found", f"no {url}")
-        return httpx.Response(200, json=answer)
-
-
-class OneDaemon(Backend):
-    def __init__(self, client: FakeDaemon):
-        self.client = client
-
-    def for_env(self, env_id: str) -> weenv.AsyncClient:
-        return self.client
-
-    def for_create(self, request: dict[str, Any]) -> weenv.AsyncClient:
-        return self.client
-
-    def all(self) -> list[weenv.AsyncClient]:
-        return [self.client]
+def _fake_daemon() -> ScriptedDaemon:
+    """Knows one running env, ``e-1``; every other call is a 404."""
+    return ScriptedDaemon({("GET", "/v1/envs/e-1"): {"id": "e-1", "status": "running", "created_s": 1.0},
+                           ("PUT", "/v1/envs/e-1/files"): {"path": "/x", "size_bytes": 1}})
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +56,8 @@ def served(tmp_path_factory):  # type: ignore[no-untyped-def]
     home = str(tmp_path_factory.mktemp("fuzz-api"))
     key = KeyStore(home).create("alice")
     OwnerTable(home).put_env("e-1", {"owner": "alice", "timeout_s": 300})
-    app = create_app(OneDaemon(FakeDaemon()), home=home)
-    envd = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": app.state.tokens.mint("e-1")}
+    app = create_app(NodeBackend(client=_fake_daemon()), home=home)
+    envd = {"E2b-Sandbox-Id": "e-1", "X-Access-Token": env_token(app.state, "e-1", app.state.owners.env("e-1"))}
     loop = asyncio.new_event_loop()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
 

@@ -128,6 +128,10 @@ def test_exec_exit_codes_output_stdin_and_not_found(gvisor_runtime, busybox_root
         assert r.exit_code == 127 and r.command_not_found and b"command not found" in r.stderr
         r = await env.sh("kill -9 $$")
         assert r.exit_code == 137
+        # the env's boot id is its own (issue 29 item 5), not the node's
+        r = await env.exec(["cat", "/proc/sys/kernel/random/boot_id"])
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            assert r.exit_code == 0 and len(r.stdout.strip()) == 36 and r.stdout != f.read(), r
         # the kernel the env sees is gVisor's, not the host's
         r = await env.exec(["dmesg"])
         assert b"gVisor" in r.stdout or b"Starting gVisor" in r.stdout, r.stdout[:300]
@@ -319,6 +323,136 @@ def test_a_gvisor_plan_whose_disk_its_memory_cannot_hold_is_refused_naming_both(
     with pytest.raises(PlanValidationError, match=r"resources\.disk.*memory max 128MiB"):
         apply_overrides(fits, memory="128MiB")  # an override that shrinks memory under the disk
     assert apply_overrides(fits, memory="1GiB").resources.memory.max == 1 << 30
+
+
+# -- paths runsc takes: a rootfs under a directory the env's root cannot walk (issue 26 item 4) ------
+
+
+def _private_dir(path) -> str:
+    """A directory only root may walk, as ``mktemp -d`` makes (or /root)."""
+    os.makedirs(path)
+    os.chown(path, 0, 0)
+    os.chmod(path, 0o700)
+    return str(path)
+
+
+# where runsc's own mount namespace shows it rootfs and bundle (RUNSC_VIEW_DIR): never the host's
+VIEW_DIR = "/run/weenv-gvisor"
+
+
+def _mounts_naming(*paths: str) -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.strip() for line in f if any(p in line for p in paths)]
+
+
+def test_the_spec_names_rootfs_and_bundle_as_runsc_sees_them():
+    from weenv.provision.runtime._gvisor import RUNSC_VIEW_DIR, range_root, runsc_view_spec
+
+    assert RUNSC_VIEW_DIR == VIEW_DIR
+
+    spec = {"root": {"path": "/h/envs/e/rootfs", "readonly": False},
+            "linux": {"uidMappings": [{"containerID": 0, "hostID": 1 << 30, "size": 65536}],
+                      "gidMappings": [{"containerID": 0, "hostID": (1 << 30) + 5, "size": 65536}]},
+            "mounts": [{"destination": "/tmp", "type": "bind", "source": "/h/envs/e/rootfs/tmp"},
+                       {"destination": "/etc/hosts", "type": "bind", "source": "/h/envs/e/bundle/etc/hosts"},
+                       {"destination": "/data", "type": "bind", "source": "/srv/data"},
+                       {"destination": "/x", "type": "bind", "source": "/h/envs/e/bundle-other/x"},
+                       {"destination": "/proc", "type": "proc", "source": "proc"}]}
+    seen = runsc_view_spec(spec, "/h/envs/e/rootfs", "/h/envs/e/bundle", "/run/v")
+    assert seen["root"] == {"path": "/run/v/rootfs", "readonly": False}
+    assert [m["source"] for m in seen["mounts"]] == [
+        "/run/v/rootfs/tmp", "/run/v/bundle/etc/hosts", "/srv/data", "/h/envs/e/bundle-other/x", "proc"]
+    assert spec["root"]["path"] == "/h/envs/e/rootfs"  # the caller's spec is left as it was
+    # a rootfs inside the bundle (as the platform probe lays it out) is the rootfs's view, not the bundle's
+    inner = runsc_view_spec({"root": {"path": "/b/rootfs"}, "mounts": [
+        {"type": "bind", "source": "/b/rootfs/tmp", "destination": "/tmp"}]}, "/b/rootfs", "/b", "/run/v")
+    assert inner["mounts"][0]["source"] == "/run/v/rootfs/tmp"
+    assert range_root(spec) == (1 << 30, (1 << 30) + 5) and range_root({}) == (0, 0)
+
+
+def test_a_rootfs_and_bundle_under_a_private_directory_run(gvisor_runtime, tmp_path):
+    """runsc's gofer opens the rootfs as the env's root (host uid 1073741824) and runsc takes
+    absolute paths only, so a 0700 directory above them failed every create ("cannot read client
+    sync file: waiting for sandbox to start: EOF"). runsc now sees them in a mount namespace of its
+    own; the directory stays 0700 root's, and no mount is left anywhere."""
+    from tests.fixtures_runtime import make_busybox_rootfs, userns_idmap
+    from weenv.provision.runtime._idmap import apply_userns
+    from weenv.provision.runtime._runtime import prepare_bundle
+
+    idmap = userns_idmap()
+    if idmap is None:
+        pytest.skip("WEENV_USERNS=0: the gofer runs as host root and walks every directory")
+    private = _private_dir(tmp_path / "private")
+    rootfs = make_busybox_rootfs(os.path.join(private, "rootfs"))
+    for top, dirs, files in os.walk(rootfs):  # the owners the daemon's lowers have; nothing above is opened
+        for name in [".", *dirs, *files]:
+            p = os.path.join(top, name)
+            st = os.lstat(p)
+            if st.st_uid < idmap.base:
+                os.lchown(p, idmap.host(st.st_uid), idmap.host(st.st_gid))
+    bundle = os.path.join(private, "bundle")
+    os.makedirs(bundle)
+    spec = apply_userns(prepare_bundle(bundle, env_id="p1", rootfs=rootfs, host=gvisor_runtime.host), idmap)
+
+    async def main():
+        await gvisor_runtime.create("p1", bundle, rootfs, spec)
+        await gvisor_runtime.start("p1")
+        assert _mounts_naming(VIEW_DIR) == []  # runsc's view was never the host's
+        r = await gvisor_runtime.exec("p1", ["sh", "-c", "echo hi > /root/x; cat /etc/hostname; id -u"], timeout_s=30)
+        assert (r.exit_code, r.stdout) == (0, b"p1\n0\n"), r  # /etc/hostname: bound from the bundle
+        assert open(os.path.join(rootfs, "root", "x")).read() == "hi\n"
+        await gvisor_runtime.delete("p1")
+
+    run(main)
+    st = os.stat(private)
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o700, 0, 0)
+    assert _mounts_naming(private, VIEW_DIR) == []
+
+
+def test_a_bind_source_the_env_root_cannot_reach_is_named_with_the_fix(gvisor_runtime, busybox_rootfs, tmp_path):
+    """A plan mount keeps its own path: one below a directory the env's root cannot walk is refused
+    naming that directory and how to let it through, not with runsc's opaque EOF."""
+    from tests.fixtures_runtime import userns_idmap
+    from weenv.provision.runtime._ocispec import BindMount
+
+    idmap = userns_idmap()
+    if idmap is None:
+        pytest.skip("WEENV_USERNS=0: the gofer runs as host root and walks every directory")
+    private = _private_dir(tmp_path / "private-data")
+    data = os.path.join(private, "data")
+    os.makedirs(data)
+
+    async def main():
+        with pytest.raises(ContainerError) as refused:
+            await start_env(gvisor_runtime, tmp_path, busybox_rootfs, env_id="m1",
+                            bind_mounts=[BindMount(source=data, destination="/data")])
+        msg = str(refused.value)
+        assert f"cannot reach {data}" in msg and f"stopped at {private}" in msg, msg
+        assert f"setfacl -m u:{idmap.base}:x {private}" in msg and f"chmod o+x {private}" in msg, msg
+        assert busybox_rootfs not in msg  # the rootfs reaches runsc through its own view
+        assert await gvisor_runtime.list() == []
+        st = os.stat(private)
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o700, 0, 0)  # told, never changed
+        # the fix it names works: the env's root, and no one else, may walk through
+        _allow_walk(private, idmap.base)
+        env = await start_env(gvisor_runtime, tmp_path, busybox_rootfs, env_id="m2",
+                              bind_mounts=[BindMount(source=data, destination="/data", readonly=True)])
+        r = await env.sh("cat /data/f; echo x > /data/f")
+        assert (r.stdout, r.exit_code) == (b"plan\n", 1) and b"Read-only" in r.stderr, r
+
+    with open(os.path.join(data, "f"), "w") as f:
+        f.write("plan\n")
+    run(main)
+
+
+def _allow_walk(path: str, uid: int) -> None:
+    """``setfacl -m u:<uid>:x path`` (no setfacl here): a POSIX ACL, user::rwx user:<uid>:--x
+    group::--- mask::--x other::---."""
+    import struct
+
+    entries = [(0x01, 7, 0xFFFFFFFF), (0x02, 1, uid), (0x04, 0, 0xFFFFFFFF), (0x10, 1, 0xFFFFFFFF), (0x20, 0, 0xFFFFFFFF)]
+    os.setxattr(path, "system.posix_acl_access",
+                struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, i) for tag, perm, i in entries))
 
 
 # -- through a real daemon: plan runtime = "gvisor" ----------------------------------------------
@@ -573,3 +707,48 @@ def test_daemon_sigkill_then_restart_readopts_gvisor_envs(daemon, tmp_path, gvis
         env.kill()
         c.get(paused.id).kill()
     assert leftovers(daemon) == []
+
+
+def test_a_daemon_whose_home_is_under_a_private_directory_runs_gvisor_envs(gvisor_platform):
+    """Issue 26 item 4: $WEENV_HOME under a 0700 directory (``mktemp -d``, /root/...). Every gVisor
+    create failed with runsc's "cannot read client sync file: waiting for sandbox to start: EOF"
+    while crun envs worked; both work now, and the directory above the home is left as it was."""
+    import shutil
+    import tempfile
+
+    from tests.fixtures_daemon import DaemonHandle, busybox_plan, teardown_private_daemon
+
+    require_crun()
+    parent = tempfile.mkdtemp(prefix="weenv-private-")  # 0700 root's
+    home = os.path.join(parent, "home")
+    os.mkdir(home)
+    plan, lock = busybox_plan(home, "private")
+    home_mode = (os.stat(home).st_mode & 0o7777, 0, 0)
+    gvisor_lock = os.path.join(home, "gvisor.lock.toml")
+    with open(gvisor_lock, "w") as f:
+        f.write('runtime = "gvisor"\n' + open(lock).read())
+    d = DaemonHandle(home, os.path.join(home, "run", "weenv.sock"), f"weenv-private-{os.getpid()}", lock, plan,
+                     os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
+    d.start()
+    try:
+        with d.client() as c:
+            with c.create(gvisor_lock) as env:
+                assert _in_gvisor(env)
+                r = env.exec(["sh", "-c", "echo kept > /tmp/a; cat /tmp/a; hostname"])
+                assert (r.exit_code, r.stdout) == (0, b"kept\n" + env.id.encode() + b"\n"), r
+                assert env.read_file("/tmp/a") == b"kept\n"
+                # runsc reads its view: neither the home nor envs/ is opened to the range
+                hs, es = os.stat(home), os.stat(os.path.join(home, "envs"))
+                assert (hs.st_mode & 0o7777, hs.st_uid, hs.st_gid) == home_mode, home
+                assert (es.st_mode & 0o7777, es.st_uid, es.st_gid) == (0o700, 0, 0)
+            with c.create(lock) as env:  # a crun env in the same home
+                assert not _in_gvisor(env)
+                assert env.exec(["echo", "crun"]).stdout == b"crun\n"
+    finally:
+        left = teardown_private_daemon(d)
+        st = os.stat(parent)
+        mounts = _mounts_naming(parent, VIEW_DIR)
+        shutil.rmtree(parent, ignore_errors=True)
+    assert not left, left
+    assert not mounts, mounts
+    assert (st.st_mode & 0o7777, st.st_uid) == (0o700, 0)

@@ -214,6 +214,39 @@ def test_no_resolver_without_allowed_names(daemon: EgressDaemon) -> None:
         env.kill()
 
 
+def _lookup(env, name: str) -> str:  # type: ignore[no-untyped-def]
+    r = env.exec(["busybox", "nslookup", name], timeout_s=15)
+    return r.stdout.decode(errors="replace") + r.stderr.decode(errors="replace")
+
+
+def test_an_env_that_reaches_every_address_gets_a_forwarding_resolver(daemon: EgressDaemon) -> None:
+    """Issue 29 item 14: ``allow = ["0.0.0.0/0"]`` (E2B's internet access) defaults to ``dns =
+    "forward"``: any name is asked of the node's resolver (here the outside's), and answers the env
+    may not reach (a denied address, the metadata range) are dropped."""
+    with daemon.client() as c:
+        env = c.create(_lock(daemon, allow=["0.0.0.0/0"], deny=[f"{OUT_B}/32"]))
+        info = _info(daemon, env.id)
+        assert info["dns"] == "forward"
+        assert "nameserver " + info["gateway"] in env.exec(["busybox", "cat", "/etc/resolv.conf"]).stdout.decode()
+        assert OUT_A in _lookup(env, "svc.test")
+        code, out = _get(env, f"http://svc.test:{PORT}/id")
+        assert code == 0 and out.strip() == f"{OUT_A}:{PORT}", out
+        assert OUT_B not in _lookup(env, "other.test")  # denied: not answered
+        assert "169.254" not in _lookup(env, "meta.test")  # an implicit deny, not opened
+        assert env.exec(["busybox", "nslookup", "nosuch.test"], timeout_s=15).exit_code != 0
+        env.kill()
+
+
+def test_a_change_that_opens_every_address_starts_forwarding(daemon: EgressDaemon) -> None:
+    with daemon.client() as c:
+        env = c.create(_lock(daemon, allow=[f"svc.test:{PORT}"]))  # dns node: only svc.test
+        assert OUT_B not in _lookup(env, "other.test")
+        info = env.set_network(allow=["0.0.0.0/0"])
+        assert info["dns"] == "forward"
+        assert OUT_B in _lookup(env, "other.test") and OUT_A in _lookup(env, "svc.test")
+        env.kill()
+
+
 # -- policy change --------------------------------------------------------------------------------
 
 def test_policy_change_on_a_running_env(daemon: EgressDaemon) -> None:
@@ -418,7 +451,7 @@ def test_accounting_in_info_top_and_metrics(daemon: EgressDaemon) -> None:
         assert counters["bytes_in"] >= BIG_BYTES
         assert counters["connections_allowed"] >= 1 and counters["packets_denied"] >= 1
         assert c.top()["network"][env.id]["bytes_in"] >= BIG_BYTES
-        metrics = c._request("GET", "/v1/metrics").text
+        metrics = c.connection.request("metrics").text
         assert f'weenv_env_egress_bytes_in_total{{env="{env.id}"}}' in metrics
         env.kill()
 

@@ -298,3 +298,133 @@ def test_a_burst_placed_with_pending_never_exceeds_any_nodes_minimums(cluster, r
         name = ranked[0].node
         assert by_name[name].admits(req, [limits_of(q) for q in pending[name]]), name
         pending[name].append(req)
+
+
+# ---------------------------------------------------------------------------- locks as the codec reads them
+
+LOCK_TOML = f"""# weenv plan lock: every group pinned to digests. Made by `weenv plan lock`; do not edit.
+lock_version = 1
+name = "task"
+
+[[groups]]
+name = "os"
+ref = "127.0.0.1:5000/ct/os:test"
+class = "os"
+digest = "sha256:{'7' * 64}"
+layer_digest = "{DIGESTS[0]}"
+layer_size = 3145728
+toc_digest = "sha256:{'8' * 64}"
+registry = "127.0.0.1:5000"
+repo = "ct/os"
+
+[resources]
+pids = 128
+disk = "32MiB"
+
+[resources.cpu]
+min = 0.25
+max = 1.0
+
+[resources.memory]
+min = "256MiB"
+max = "1GiB"
+"""
+WANT = PlacementRequest(layers=((DIGESTS[0], 3 * MiB),), cpu_min_cores=0.25, memory_min_bytes=256 * MiB,
+                        memory_max_bytes=GiB)
+
+
+def test_a_toml_lock_with_human_sizes_places_as_its_json_form_and_as_the_decoded_lock():
+    # what `weenv plan lock` writes: sizes as strings. Placement read them with int(): a 500 at the gateway
+    import json
+    import tomllib
+
+    from weenv.cluster import request_for
+    from weenv.plan import dump_plan, load_any, parse_document, plan_to_builtins
+
+    lock = load_any(LOCK_TOML, source="task.lock")
+    forms = {"tomllib": tomllib.loads(LOCK_TOML), "parse_document": parse_document(LOCK_TOML)[0], "Lock": lock,
+             "plan_to_builtins": plan_to_builtins(lock), "human builtins": plan_to_builtins(lock, human_sizes=True),
+             "JSON lock": json.loads(dump_plan(lock, "json"))}
+    for form, doc in forms.items():
+        assert request_for(doc) == WANT, form
+    nodes = [node("a", mem=512 * MiB), node("b", layers=[LayerHeld(digest=DIGESTS[0], size_bytes=3 * MiB, where="tree")]),
+             node("c", committed_mem=7937 * MiB)]
+    assert {form: [c.node for c in place(nodes, request_for(doc))] for form, doc in forms.items()} == \
+        {form: ["b"] for form in forms}  # a: max above what it gives one env; c: its memory mins taken
+
+
+def test_a_lock_the_codec_refuses_is_a_plan_error_naming_the_place():
+    import tomllib
+
+    from weenv.cluster import request_for
+    from weenv.plan import PlanValidationError
+
+    doc = tomllib.loads(LOCK_TOML.replace('min = "256MiB"', 'min = "lots"'))
+    with pytest.raises(PlanValidationError, match=r"^task\.lock: resources\.memory\.min: .*lots"):
+        request_for(doc, source="task.lock")
+    with pytest.raises(PlanValidationError, match=r"groups\[0\]\.layer_size"):
+        request_for({**doc, "resources": {}, "groups": [{**doc["groups"][0], "layer_size": "3MiB"}]})
+
+
+def _cluster_of(reports):
+    """A Cluster (no Ray) whose nodes are HEALTHY with these reports."""
+    from weenv.cluster import Cluster, NodeState
+
+    class Handle:
+        def __init__(self, name):
+            self.name = name
+
+        def start_report(self):
+            raise AssertionError("not polled")
+
+    cluster = Cluster(token=None)
+    for r in reports:
+        entry = cluster.reconciler.add(Handle(r.node))
+        entry.state, entry.report = NodeState.HEALTHY, r
+    return cluster
+
+
+def test_the_gateway_places_a_toml_lock_and_answers_400_bad_plan_for_one_the_codec_refuses():
+    import httpx
+    import msgspec
+    import trio
+
+    from weenv._wire import HttpError
+    from weenv.cluster._backend import ClusterBackend
+
+    cluster = _cluster_of([node("a"), node("b", layers=[LayerHeld(digest=DIGESTS[0], size_bytes=1, where="tree")])])
+    backend = ClusterBackend(cluster, "tok")
+    body = {"plan_text": LOCK_TOML, "format": "toml", "source": "task.lock"}  # weenv.Client.create("task.lock")
+    assert backend.request_for_body(body) == WANT
+    assert backend.request_for_body({**body, "overrides": {"memory": "64MiB-512MiB"}}) == \
+        msgspec.structs.replace(WANT, memory_min_bytes=64 * MiB, memory_max_bytes=512 * MiB)
+    assert cluster.place(backend.request_for_body(body))[0] == ["b", "a"]
+
+    async def create(doc):
+        try:
+            await backend.create(doc)
+        except HttpError as e:
+            return e.status, {"error": {"kind": e.kind, "message": e.message}}
+        raise AssertionError("created")
+
+    for doc, where in (({**body, "plan_text": LOCK_TOML.replace('"1GiB"', '"a lot"')}, "task.lock: resources.memory.max"),
+                       ({**body, "plan_text": LOCK_TOML.replace("layer_size = 3145728", 'layer_size = "3MiB"')},
+                        "task.lock: groups[0].layer_size"),
+                       ({"plan": {**msgspec.json.decode(msgspec.json.encode(
+                           __import__("tomllib").loads(LOCK_TOML))), "name": ""}}, "request body $.plan: name")):
+        status, answer = trio.run(create, doc)
+        assert status == 400 and answer["error"]["kind"] == "bad_plan", answer
+        assert answer["error"]["message"].startswith(where), answer
+
+
+def test_a_creates_cpu_and_memory_overrides_are_what_it_is_placed_by():
+    """Cluster.create(overrides=...) and the gateway place an env by the minimums its node will
+    admit it with (the override's), not by the plan's (issue 26 leftover: slime passes cpu)."""
+    from weenv.cluster._placement import with_overrides
+
+    req = PlacementRequest(cpu_min_cores=0.25, memory_min_bytes=256 << 20, memory_max_bytes=1 << 30)
+    got = with_overrides(req, {"cpu": "1.5-2", "memory": "512MiB-2GiB", "env": {"A": "b"}})
+    assert (got.cpu_min_cores, got.memory_min_bytes, got.memory_max_bytes) == (1.5, 512 << 20, 2 << 30)
+    assert with_overrides(req, {"cpu": 0.5}).cpu_min_cores == 0.5 and with_overrides(req, None) is req
+    with pytest.raises(ValueError, match="overrides: .*lots"):
+        with_overrides(req, {"memory": "lots"})

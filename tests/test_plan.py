@@ -195,7 +195,7 @@ ERRORS = [
     (BASE.replace('name = "demo"', ""), "plan.toml: name: required field is missing"),
     (_with("ttl = 5"),
      "plan.toml: ttl: unknown field (expected one of: name, groups, env, workdir, user, init, resources, "
-     "network, ttl_s, mounts, snapshot, runtime); did you mean 'ttl_s'?"),
+     "network, ttl_s, mounts, volumes, snapshot, runtime, image, setuid); did you mean 'ttl_s'?"),
     (_with('env = { "1BAD" = "x" }'),
      "plan.toml: env.1BAD: expected an environment variable name (letters, digits and '_', not starting "
      "with a digit), got '1BAD'"),
@@ -800,7 +800,14 @@ IMAGE_CONFIG = {
 def test_image_config_becomes_plan_defaults():
     d = wp.plan_defaults_from_image(IMAGE_CONFIG)
     assert d == {"env": {"PATH": "/usr/local/bin:/usr/bin", "LANG": "C.UTF-8", "EMPTY": "", "EQ": "a=b"},
-                 "workdir": "/app", "user": "1000:1000"}
+                 "workdir": "/app", "user": "1000:1000",
+                 "image": {"entrypoint": ["/entry.sh"], "cmd": ["python3", "-m", "http.server"]}}
+    full = wp.plan_defaults_from_image({"config": {"ExposedPorts": {"8080/tcp": {}, "53/udp": {}}, "Labels": {"a": "b"},
+                                                   "StopSignal": "SIGINT"}}, source="reg.example/img:1")
+    assert full == {"image": {"source": "reg.example/img:1", "ports": ["53/udp", "8080/tcp"], "labels": {"a": "b"},
+                              "stop_signal": "SIGINT"}}
+    with pytest.raises(PlanValidationError, match=r"image\.ports\[0\]"):
+        wp.plan_defaults_from_image({"config": {"ExposedPorts": {"80/quic": {}}}})
     assert wp.plan_defaults_from_image(IMAGE_CONFIG["config"]) == d  # the inner object works too
     with_init = wp.plan_defaults_from_image(IMAGE_CONFIG, command_as_init=True)
     assert with_init["init"] == ["/entry.sh", "python3", "-m", "http.server"]
@@ -924,8 +931,8 @@ def test_public_api_is_pinned():
     assert set(wp.__all__) == {
         "CpuRange", "DEFAULT_CPU_MAX_CORES", "DEFAULT_CPU_MIN_CORES", "DEFAULT_DISK_BYTES",
         "DEFAULT_MEMORY_MAX_BYTES", "DEFAULT_MEMORY_MIN_BYTES", "DEFAULT_NETWORK", "DEFAULT_PIDS",
-        "GROUP_CLASSES", "Group", "LOCK_VERSION", "Lock", "LockError", "LockedGroup", "MemoryRange", "Mount",
-        "HOST_PATHS", "MAX_ARG_STRLEN", "MAX_CORES", "MAX_DISK_BYTES", "MAX_ENV_BYTES", "MAX_ENV_VARS", "MAX_GROUPS",
+        "GROUP_CLASSES", "Group", "ImageMeta", "LOCK_VERSION", "Lock", "LockError", "LockedGroup", "MemoryRange",
+        "Mount", "HOST_PATHS", "MAX_ARG_STRLEN", "MAX_CORES", "MAX_DISK_BYTES", "MAX_ENV_BYTES", "MAX_ENV_VARS", "MAX_GROUPS",
         "MAX_INIT_ARGS", "MAX_INIT_BYTES", "MAX_LAYER_BYTES", "MAX_MEMORY_BYTES", "MAX_MOUNTS", "MAX_PIDS",
         "MAX_TTL_S", "exposed_host_path", "load_text",
         "Plan", "PlanError", "PlanSyntaxError", "PlanValidationError", "Problem", "Reference", "ResolvedGroup",
@@ -933,7 +940,7 @@ def test_public_api_is_pinned():
         "dump_plan", "format_for_path", "format_size", "is_locked", "load_any", "load_lock", "load_plan",
         "lock_plan", "parse_cpu_range", "parse_document", "parse_memory_range", "parse_ref", "parse_size",
         "plan_defaults_from_image", "plan_from_builtins", "plan_json_schema", "plan_to_builtins",
-        "verify_lock_group", "verify_manifest", "write_plan",
+        "verify_lock_group", "verify_manifest", "write_plan", "MAX_VOLUMES", "VolumeMount",
     }
 
 

@@ -87,7 +87,7 @@ def test_stdin_is_written_and_closed(daemon):  # noqa: F811
         quiet = env.spawn(["sleep", "30"])
         with pytest.raises(weenv.ApiError, match="stdin") as e:
             quiet.send_stdin("x")
-        assert e.value.status == 409 and e.value.kind == "wrong_state"
+        assert e.value.status == 409 and e.value.kind == "process_state"
         quiet.kill()
         assert quiet.wait(timeout_s=10).exit_code == 137  # type: ignore[union-attr]
 
@@ -160,10 +160,10 @@ def test_processes_are_listed_and_errors_are_typed(daemon):  # noqa: F811
                            ({"argv": ["true"], "buffer_bytes": 1 << 30}, "$.buffer_bytes"),
                            ({"argv": ["true"], "stdin": "yes"}, "$.stdin")):
             with pytest.raises(weenv.ApiError) as e:
-                c._request("POST", f"/v1/envs/{env.id}/processes", json=bad)
+                c.connection.request("process_start", {"id": env.id}, json=bad)
             assert e.value.status == 400 and where in str(e.value), str(e.value)
         with pytest.raises(weenv.ApiError) as e:
-            c._request("POST", f"/v1/envs/{env.id}/processes/{a.pid}/stdin", json={"data_b64": "not base64!"})
+            c.connection.request("process_stdin", {"id": env.id, "pid": a.pid}, json={"data_b64": "not base64!"})
         assert e.value.status == 400 and "$.data_b64" in str(e.value)
         a.kill()
         b.kill()
@@ -267,7 +267,7 @@ def test_a_process_that_ended_leaves_its_connection_for_the_next_request(daemon)
         for _ in range(2):
             _out, end, _ = _output(env.spawn(["true"]).events())
             assert end is not None and end.exit_code == 0
-            assert idle(c._http) == [True]
+            assert idle(c.connection.http) == [True]
 
     async def main() -> None:
         async with daemon.async_client() as c, c.create(daemon.plan_lock) as env:
@@ -275,7 +275,7 @@ def test_a_process_that_ended_leaves_its_connection_for_the_next_request(daemon)
                 proc = await env.spawn(["true"])
                 async for _ev in proc.events():
                     pass
-                assert proc.end is not None and idle(c._http) == [True]
+                assert proc.end is not None and idle(c.connection.http) == [True]
 
     trio.run(main)
 

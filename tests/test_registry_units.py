@@ -345,6 +345,7 @@ def test_public_api_is_pinned() -> None:
         "RemoteStore", "RetryPolicy", "local_store_path", "GROUP_ARTIFACT_TYPE", "GROUP_CLASSES",
         "RegistryError", "RefError", "NotFoundError", "AuthError", "RegistryUnavailableError", "ProtocolError",
         "BlobRangeError", "IntegrityError", "ArtifactError", "StoreError", "mapped_errors",
+        "ConvertedImage", "ConvertedLayer", "convert_image", "image_lock", "is_image_ref", "lock_for_image",
     }
     assert set(R.__all__) == expected
     fields = set(R.GroupInfo.__dataclass_fields__)

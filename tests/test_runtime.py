@@ -16,7 +16,7 @@ import trio
 from tests.fixtures_runtime import make_busybox_rootfs, require_crun, start_env
 from weenv.provision._errors import ContainerError, ContainerExistsError, ContainerNotFoundError, SpecError
 from weenv.provision._errors import UserNotFoundError
-from weenv.provision.envs._files import resolve_user
+from weenv.provision.envs._fileops import resolve_user
 from weenv.provision.runtime._hostcheck import HostFacts, bind_unified_controllers_to_v1, detect_host, unbind_v1_controllers
 from weenv.provision.runtime._ocispec import DEFAULT_CAPABILITIES, DENIED_SYSCALLS, INIT_ARGS, INIT_PATH
 from weenv.provision.runtime._ocispec import BindMount, User, build_spec, default_seccomp, merge_env, parse_user
@@ -156,6 +156,10 @@ def test_parse_user(spec, expect):
 def test_parse_user_errors():
     with pytest.raises(UserNotFoundError, match="nobody"):
         parse_user("nobody", PASSWD, GROUP)
+    # root is uid 0 even where the image has no /etc/passwd (busybox, distroless); no other name is
+    assert (parse_user("root", "", "").uid, parse_user("root", "", "").gid) == (0, 0)
+    with pytest.raises(UserNotFoundError, match="user"):
+        parse_user("user", "", "")
     with pytest.raises(UserNotFoundError, match="staff"):
         parse_user("user:staff", PASSWD, GROUP)
     with pytest.raises(SpecError, match="range"):
@@ -385,6 +389,84 @@ def test_kill_exec_tree_signals_parents_before_children(monkeypatch):
     assert sorted(signalled) == [3, 7, 8, 9, 10] and set(table) == {1, 2}
     order = {pid: i for i, pid in enumerate(signalled)}
     assert order[7] < order[9] < order[10] < order[3], signalled
+
+
+def _seccomp_program(pid: int) -> bytes:
+    """The newest seccomp program of process ``pid`` as the kernel holds it (PTRACE_SECCOMP_GET_FILTER)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    seize, interrupt, detach, get_filter = 0x4206, 0x4207, 17, 0x420C
+    assert libc.ptrace(seize, pid, None, None) == 0, os.strerror(ctypes.get_errno())
+    try:
+        libc.ptrace(interrupt, pid, None, None)
+        os.waitpid(pid, 0x40000000)  # __WALL: the stop of a process that is not our child
+        n = libc.ptrace(get_filter, pid, None, None)
+        assert n > 0, os.strerror(ctypes.get_errno())
+        buf = ctypes.create_string_buffer(n * 8)  # struct sock_filter: 8 bytes
+        assert libc.ptrace(get_filter, pid, None, buf) == n
+        return buf.raw
+    finally:
+        libc.ptrace(detach, pid, None, None)
+
+
+def test_crun_loads_the_seccomp_program_weenv_compiled_and_it_is_crun_s_own(crun_runtime, busybox_rootfs, tmp_path,
+                                                                          monkeypatch):
+    """weenv builds the seccomp program once (run.oci.seccomp_bpf_data) instead of crun on every
+    create: the env's init holds it, byte for byte the program crun builds from the same profile."""
+    from weenv.provision.runtime import _runtime
+
+    async def main():
+        ours = await start_env(crun_runtime, tmp_path, busybox_rootfs, env_id="bpf-weenv")
+        with open(os.path.join(crun_runtime.state_dir, "bpf-weenv", "config.json")) as f:
+            assert _runtime.ANNOTATION_SECCOMP_BPF in json.load(f)["annotations"]
+        monkeypatch.setattr(_runtime, "compiled_seccomp", lambda profile: None)
+        cruns = await start_env(crun_runtime, tmp_path, busybox_rootfs, env_id="bpf-crun")
+        with open(os.path.join(crun_runtime.state_dir, "bpf-crun", "config.json")) as f:
+            assert _runtime.ANNOTATION_SECCOMP_BPF not in json.load(f)["annotations"]
+        program = _seccomp_program(ours.init_pid)
+        assert len(program) > 100 * 8 and program == _seccomp_program(cruns.init_pid)
+        for env in (ours, cruns):
+            await crun_runtime.delete(env.env_id)
+
+    run(main)
+
+
+def test_start_returns_once_the_init_runs_its_program(crun_runtime, busybox_rootfs, tmp_path):
+    """Releasing the init returns before its execve (under load, well before). crun 1.8.1's exec
+    into an init still running crun's code fails ("setns(pid=N, CLONE_*): Operation not permitted",
+    containers/crun#1264; CI hit it), so start waits for the execve. The init is held stopped
+    across start here: start must wait for it, then the first exec runs."""
+    from weenv.provision.runtime._runtime import _exe
+
+    async def main():
+        held = {}
+
+        def hold(pid: int) -> None:
+            held.update(pid=pid, exe=_exe(pid))
+            os.kill(pid, signal.SIGSTOP)
+
+        async def release():
+            await trio.sleep(0.3)
+            held["waiting"] = _exe(held["pid"]) == held["exe"]  # still crun's code: start still waits
+            os.kill(held["pid"], signal.SIGCONT)
+            held["released"] = True
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(release)
+            env = await start_env(crun_runtime, tmp_path, busybox_rootfs, before_start=hold)
+            held["start_returned_after_release"] = held.get("released", False)
+        try:
+            assert held["start_returned_after_release"] and held["waiting"], held
+            assert _exe(held["pid"]) != held["exe"], held
+            r = await env.sh("echo ran")
+            assert r.exit_code == 0 and r.stdout == b"ran\n", r
+        finally:
+            await crun_runtime.delete(env.env_id)
+
+    run(main)
 
 
 def test_output_streams_while_the_command_runs(crun_runtime, busybox_rootfs, tmp_path):

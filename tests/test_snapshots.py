@@ -114,7 +114,7 @@ def test_a_fresh_env_from_a_snapshot_sees_exactly_the_committed_tree(daemon, tmp
             assert got == before
             assert child.exec(["ls", "/data/later"]).exit_code != 0
         # the reference: busybox tree + the sealed layer extracted with OCI whiteout rules
-        info = c._request("GET", f"/v1/snapshots/{snap}").json()
+        info = c.snapshot(snap).to_builtins()
         ref = tmp_path / "ref"
         shutil.copytree(os.path.join(daemon.home, "src-busybox"), ref, symlinks=True)
         apply_layer(os.path.join(daemon.home, "store", "blobs", "sha256", info["layers"][-1]["digest"][7:]), str(ref))
@@ -145,7 +145,7 @@ def test_fork_8_children_share_the_parent_state_and_nothing_else(daemon):
         for ch in children[1:]:
             ch.kill()
         # the fork's snapshot and its layer stay while a child started from it runs; then gc collects them
-        info = c._request("GET", f"/v1/snapshots/{snap}").json()
+        info = c.snapshot(snap).to_builtins()
         blob = os.path.join(daemon.home, "store", "blobs", "sha256", info["layers"][-1]["digest"][7:])
         assert c.gc()["snapshots"] == [] and os.path.exists(blob)
         children[0].kill()

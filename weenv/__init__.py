@@ -21,6 +21,10 @@ __all__ = ["__version__", *_CLIENT_NAMES]
 
 
 def __getattr__(name: str) -> Any:
+    if name in ("AsyncClient", "AsyncEnv"):
+        from . import _aclient
+
+        return getattr(_aclient, name)
     if name in _CLIENT_NAMES:
         from . import _client
 

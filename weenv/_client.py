@@ -1,246 +1,47 @@
-"""The Python client of the weenv daemon: sync (:class:`Client`) and async (:class:`AsyncClient`).
+"""The Python client of the weenv daemon, synchronous: :class:`Client`, :class:`Env`, :class:`Process`
+(the async ones, :class:`~weenv.AsyncClient` and friends, are in weenv/_aclient.py).
 
-Both talk HTTP to ``$WEENV_HOME/run/weenv.sock`` with httpx; the async client works under asyncio
-and trio. With ``autostart`` (the default) a missing daemon is started in the background.
-
-Given a URL instead of a socket path (``Client("http://host:3000", token=...)``, or
-``$WEENV_HOST`` / ``$WEENV_TOKEN``), they talk to ``weenv serve`` over TCP, sending the token as
-``Authorization: Bearer``; a remote daemon is never autostarted.
+It talks to ``$WEENV_HOME/run/weenv.sock`` (starting the daemon when it is not running, unless
+``autostart=False``), or, given a URL (``Client("http://host:3000", token=...)``, or
+``$WEENV_HOST`` / ``$WEENV_TOKEN``), to ``weenv serve`` or the cluster gateway. Answers are the
+daemon's ``_wire`` Structs (``env.info.id``; ``env.info["id"]`` reads them too).
 
     with weenv.Client() as client, client.create("plan.lock") as env:
         print(env.exec("echo hello").stdout)
+
+What each call sends is built in weenv/_calls.py, which the async client shares; the connection
+(routes, errors, autostart) is weenv/_connection.py.
 """
 
 from __future__ import annotations
 
-import base64
-import json
-import os
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
 
 import httpx
-import msgspec
 
-from . import _home
+from . import _calls as calls
 from . import _wire as wire
+from . import _wire_volumes as vw
+from ._calls import ExecResult
+from ._connection import (ApiError, AsyncConnection, Connection, DaemonUnavailableError, EnvNotFoundError, WeenvError,
+                          start_daemon)
+
+__all__ = ["ApiError", "Client", "DaemonUnavailableError", "Env", "EnvNotFoundError", "ExecResult", "Process",
+           "WeenvError", "iter_envs", "start_daemon"]
 
 
-class WeenvError(Exception):
-    """Base of every error the client raises."""
+def __getattr__(name: str) -> Any:  # the async client lives in its own module
+    if name in ("AsyncClient", "AsyncEnv", "AsyncProcess"):
+        from . import _aclient
+
+        return getattr(_aclient, name)
+    if name == "AsyncConnection":
+        return AsyncConnection
+    raise AttributeError(f"module 'weenv._client' has no attribute {name!r}")
 
 
-class DaemonUnavailableError(WeenvError):
-    """Raised when the daemon is not running (and could not be started) or does not answer."""
-
-
-class ApiError(WeenvError):
-    """Raised when the daemon answers with an error; ``status`` is the HTTP status, ``kind`` its error kind."""
-
-    def __init__(self, status: int, kind: str, message: str):
-        super().__init__(message)
-        self.status, self.kind, self.detail = status, kind, message
-
-
-class EnvNotFoundError(ApiError, LookupError):
-    """Raised for an env id the daemon does not know."""
-
-
-class ExecResult(wire.ExecResult, frozen=True):
-    """The outcome of one command (the daemon's :class:`weenv._wire.ExecResult`), with ``ok`` and
-    ``text``. ``exit_code`` is 128+N for signal N (137 after a timeout)."""
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0
-
-    @property
-    def text(self) -> str:
-        return self.stdout.decode("utf-8", "replace")
-
-
-_exec_decoder = msgspec.json.Decoder(ExecResult)
-
-
-def _raise_for(resp: httpx.Response) -> None:
-    if resp.status_code < 400:
-        return
-    try:
-        err = resp.json()["error"]
-        kind, message = err.get("kind", "error"), err.get("message", resp.text)
-    except (ValueError, KeyError, TypeError):
-        kind, message = "error", resp.text or resp.reason_phrase
-    cls = EnvNotFoundError if kind == "env_not_found" else ApiError
-    raise cls(resp.status_code, kind, message)
-
-
-def _plan_body(plan_or_lock: Any, overrides: dict[str, Any]) -> dict[str, Any]:
-    """A create request: a path to a plan/lock file, a snapshot id, a dict, or a weenv.plan.Plan."""
-    from .plan import Plan, plan_to_builtins
-
-    body: dict[str, Any]
-    if isinstance(plan_or_lock, Plan):
-        body = {"plan": plan_to_builtins(plan_or_lock)}
-    elif isinstance(plan_or_lock, dict):
-        body = {"plan": plan_or_lock}
-    elif isinstance(plan_or_lock, (str, Path)):
-        s = str(plan_or_lock)
-        if s.startswith("snap-") and not os.path.exists(s):
-            body = {"snapshot": s}
-        else:
-            try:
-                text = Path(s).read_text(encoding="utf-8")
-            except OSError as e:
-                raise WeenvError(f"cannot read plan {s}: {e.strerror}") from None
-            except UnicodeDecodeError as e:  # binary garbage: say which file, as the plan reader would
-                raise WeenvError(f"{s}: not UTF-8 text (byte {e.start}): not a plan or lock") from None
-            fmt = "json" if s.endswith(".json") or text.lstrip().startswith("{") else "toml"
-            body = {"plan_text": text, "format": fmt, "source": s}
-    else:
-        raise TypeError(f"create() takes a plan path, a snapshot id, a dict or a Plan, not {type(plan_or_lock).__name__}")
-    clean = {k: v for k, v in overrides.items() if v is not None}
-    if clean:
-        body["overrides"] = clean
-    return body
-
-
-def _exec_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None,
-               stdin: bytes | str | None, timeout_s: float | None, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"argv": list(cmd)} if not isinstance(cmd, str) else {"cmd": cmd}
-    if env:
-        body["env"] = env
-    if cwd:
-        body["cwd"] = cwd
-    if user:
-        body["user"] = user
-    if stdin is not None:
-        data = stdin.encode() if isinstance(stdin, str) else stdin
-        body["stdin_b64"] = base64.b64encode(data).decode()
-    if timeout_s is not None:
-        body["timeout_s"] = timeout_s
-    if stream:
-        body["stream"] = True
-    return body
-
-
-def _exec_timeout(timeout_s: float | None) -> httpx.Timeout:
-    """An exec answers when the command ends: wait for its own timeout (and the kill), or for ever."""
-    return httpx.Timeout(None if timeout_s is None else timeout_s + 60.0, connect=10.0)
-
-
-def _stream_line(line: str, on_output: Callable[[str, bytes], Any] | None) -> ExecResult | None:
-    if not line.strip():
-        return None
-    msg = json.loads(line)
-    if "stream" in msg:
-        if on_output is not None:
-            on_output(msg["stream"], base64.b64decode(msg["data_b64"]))
-        return None
-    if "error" in msg:
-        err = msg["error"]
-        cls = EnvNotFoundError if err.get("kind") == "env_not_found" else ApiError
-        raise cls(err.get("status", 500), err.get("kind", "error"), err.get("message", ""))
-    return msgspec.convert(msg["result"], ExecResult)
-
-
-def _is_url(target: str) -> bool:
-    return target.startswith(("http://", "https://"))
-
-
-def _target(socket_path_or_url: str | None, cluster: str | None = None) -> str:
-    """What a client talks to: the argument, else ``$WEENV_HOST``, else the node's daemon socket.
-    A Ray cluster (``cluster=`` its address, or a ``ray://`` URL): the gateway it registered."""
-    if cluster is not None or (socket_path_or_url or "").startswith("ray://"):
-        from .cluster._gateway import lookup
-
-        return lookup(cluster if cluster is not None else socket_path_or_url)
-    return socket_path_or_url or os.environ.get("WEENV_HOST") or _home.daemon_socket()
-
-
-def _http_options(target: str, token: str | None) -> dict[str, Any]:
-    """httpx client options for a socket path (the local daemon) or a ``weenv serve`` URL."""
-    if not _is_url(target):
-        return {"base_url": "http://weenv"}
-    token = token or os.environ.get("WEENV_TOKEN")
-    return {"base_url": target.rstrip("/"), "headers": {"Authorization": f"Bearer {token}"} if token else {}}
-
-
-def _daemon_answers(socket_path: str) -> bool:
-    try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), timeout=2.0) as c:
-            return c.get("http://weenv/v1/ping").status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def start_daemon(socket_path: str, timeout_s: float = 30.0) -> None:
-    """Start ``weenv daemon`` in the background (own session, log in $WEENV_HOME) and wait for it.
-
-    Clients starting at once start one daemon (a lock file in $WEENV_HOME/run serialises them).
-    ``WEENV_AUTOSTART=0`` turns autostart off (the test suite does: it starts its daemons itself).
-    """
-    import fcntl
-
-    if os.environ.get("WEENV_AUTOSTART", "1") == "0":
-        raise DaemonUnavailableError(f"the weenv daemon is not running ({socket_path}) and WEENV_AUTOSTART=0")
-    home = os.path.dirname(os.path.dirname(socket_path))
-    os.makedirs(os.path.join(home, "run"), exist_ok=True)
-    with open(os.path.join(home, "run", "autostart.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _daemon_answers(socket_path):
-            return  # another client started it while we waited for the lock
-        log = open(os.path.join(home, "daemon.log"), "ab")
-        try:
-            subprocess.Popen([sys.executable, "-m", "weenv", "daemon"], stdin=subprocess.DEVNULL, stdout=log,
-                             stderr=log, start_new_session=True, env={**os.environ, "WEENV_HOME": home})
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if _daemon_answers(socket_path):
-                return
-            time.sleep(0.05)
-    raise DaemonUnavailableError(f"the weenv daemon did not start within {timeout_s:g} s (see {home}/daemon.log)")
-
-
-# ================================================================================ processes
-
-
-def _process_body(cmd: str | list[str], env: dict[str, str] | None, cwd: str | None, user: str | None, stdin: bool,
-                  pty: tuple[int, int] | None, tag: str | None, buffer_bytes: int | None) -> bytes:
-    argv, shell = (None, cmd) if isinstance(cmd, str) else (list(cmd), None)
-    try:
-        return wire.encode_request(wire.ProcessStartRequest, argv=argv, cmd=shell, env=env or None, cwd=cwd, user=user,
-                                   stdin=stdin or None, tag=tag, buffer_bytes=buffer_bytes,
-                                   pty={"rows": pty[0], "cols": pty[1]} if pty is not None else None)
-    except msgspec.ValidationError as e:
-        raise WeenvError(f"spawn: {e}") from None
-
-
-_STREAM_WAIT = httpx.Timeout(None, connect=10.0)  # a process may stay silent for as long as it likes
-_event_decoder = msgspec.json.Decoder(wire.ProcessEvent)
-
-
-def _event(line: str) -> wire.ProcessEvent | None:
-    """One NDJSON line of a process stream (None for blank lines); raises the ``error`` line."""
-    if not line.strip():
-        return None
-    ev = _event_decoder.decode(line)
-    if ev.error is not None:
-        cls = EnvNotFoundError if ev.error.kind == "env_not_found" else ApiError
-        raise cls(ev.error.status or 500, ev.error.kind, ev.error.message)
-    return ev
-
-
-def _signal_value(sig: int | str) -> int | str:
-    return int(sig) if isinstance(sig, int) else sig
-
-
-class Process:
+class Process(calls.ProcessHandle):
     """A process handle in an env (synchronous): what :meth:`Env.spawn` and :meth:`Env.connect`
     return. It runs on when this handle is closed or the client goes away; the output nobody read
     is kept (a bounded amount) for the next :meth:`Env.connect`.
@@ -248,17 +49,8 @@ class Process:
     ``events()`` yields :class:`weenv._wire.ProcessEvent` (``stream`` + ``data_b64`` bytes,
     ``dropped``, finally ``end``). ``with`` detaches on exit."""
 
-    def __init__(self, env: "Env", pid: int, stream: Any = None, response: httpx.Response | None = None):
-        self.env, self.pid = env, pid
-        self.end: wire.ProcessEnd | None = None
-        self._cm, self._resp = stream, response
-        self._lines = response.iter_lines() if response is not None else None
-
-    def __repr__(self) -> str:
-        return f"<weenv.Process {self.pid} in {self.env.id}>"
-
-    def _url(self, what: str = "") -> str:
-        return f"/v1/envs/{self.env.id}/processes/{self.pid}{what}"
+    def _run(self, call: calls.Call) -> Any:
+        return self.env.client._run(call)
 
     def events(self) -> Iterator[wire.ProcessEvent]:
         """Its events until it ends (attaching first if this handle is not attached)."""
@@ -267,7 +59,7 @@ class Process:
         assert self._lines is not None
         try:
             for line in self._lines:
-                ev = _event(line)
+                ev = calls.process_event(line)
                 if ev is None or ev.start is not None:
                     continue
                 if ev.end is not None:
@@ -278,45 +70,39 @@ class Process:
                 if ev.end is not None:
                     return
         except httpx.TransportError as e:
-            raise DaemonUnavailableError(f"weenv daemon at {self.env.client.socket_path}: {e}") from None
+            raise calls.transport_lost(self.env.client.target, e) from None
         finally:
             if self.end is not None:
                 self.detach()
         if self.end is None:
             self.detach()
-            raise ApiError(500, "stream", f"the stream of process {self.pid} was cut (it may still run: connect again)")
+            raise calls.stream_cut(self.pid)
 
     def _attach(self) -> None:
-        cm = self.env.client._stream("GET", self._url("/stream"), timeout=_STREAM_WAIT)
+        call = calls.process_stream(self.env.id, self.pid)
+        cm = self.env.client.connection.stream(call.route, call.params, **call.kw())
         resp = cm.__enter__()
-        if resp.status_code >= 400:
-            resp.read()
-            cm.__exit__(None, None, None)
-            _raise_for(resp)
-        self._cm, self._resp, self._lines = cm, resp, resp.iter_lines()
+        self._cm, self._lines = cm, resp.iter_lines()
 
     def send_stdin(self, data: bytes | str, *, close: bool = False) -> None:
-        payload = data.encode() if isinstance(data, str) else data
-        for i in range(0, max(len(payload), 1), wire.MAX_STDIN_CHUNK_BYTES):
-            last = i + wire.MAX_STDIN_CHUNK_BYTES >= len(payload)
-            body = wire.encode(wire.StdinRequest(data_b64=payload[i : i + wire.MAX_STDIN_CHUNK_BYTES], close=close and last))
-            self.env.client._request("POST", self._url("/stdin"), content=body)
+        for call in calls.stdin_calls(self.env.id, self.pid, data, close):
+            self._run(call)
 
     def close_stdin(self) -> None:
         self.send_stdin(b"", close=True)
 
     def signal(self, sig: int | str = 15) -> None:
         """Signal its whole session: a number or a name (``"SIGTERM"``, ``"KILL"``)."""
-        self.env.client._request("POST", self._url("/signal"), json={"signal": _signal_value(sig)})
+        self._run(calls.signal(self.env.id, self.pid, sig))
 
     def kill(self) -> None:
         self.signal(9)
 
     def resize(self, rows: int, cols: int) -> None:
-        self.env.client._request("POST", self._url("/resize"), json={"rows": rows, "cols": cols})
+        self._run(calls.resize(self.env.id, self.pid, rows, cols))
 
     def info(self) -> wire.ProcessInfo:
-        return msgspec.convert(self.env.client._request("GET", self._url()).json(), wire.ProcessInfo)
+        return self._run(calls.process_show(self.env.id, self.pid))  # type: ignore[no-any-return]
 
     def wait(self, timeout_s: float | None = None) -> wire.ProcessEnd | None:
         """How it ended (None if ``timeout_s`` came first). An attached handle reads (and drops)
@@ -325,15 +111,12 @@ class Process:
             for _ev in self.events():
                 pass
             return self.end
-        body = {"timeout_s": timeout_s} if timeout_s is not None else {}
-        wait = httpx.Timeout(None if timeout_s is None else timeout_s + 30.0, connect=10.0)
-        data = self.env.client._request("POST", self._url("/wait"), json=body, timeout=wait).content
-        self.end = wire.decode(data, wire.ProcessWait).end
+        self.end = self._run(calls.wait(self.env.id, self.pid, timeout_s)).end
         return self.end
 
     def detach(self) -> None:
         """Stop following it (it runs on)."""
-        cm, self._cm, self._resp, self._lines = self._cm, None, None, None
+        cm, self._cm, self._lines = self._cm, None, None
         if cm is not None:
             cm.__exit__(None, None, None)
 
@@ -344,150 +127,32 @@ class Process:
         self.detach()
 
 
-class AsyncProcess:
-    """A process handle in an env (async): as :class:`Process`, with ``async for ev in proc.events()``."""
-
-    def __init__(self, env: "AsyncEnv", pid: int, stream: Any = None, response: httpx.Response | None = None):
-        self.env, self.pid = env, pid
-        self.end: wire.ProcessEnd | None = None
-        self._cm, self._resp = stream, response
-        self._lines = response.aiter_lines() if response is not None else None
-
-    def __repr__(self) -> str:
-        return f"<weenv.AsyncProcess {self.pid} in {self.env.id}>"
-
-    def _url(self, what: str = "") -> str:
-        return f"/v1/envs/{self.env.id}/processes/{self.pid}{what}"
-
-    async def events(self) -> AsyncIterator[wire.ProcessEvent]:
-        if self._lines is None:
-            await self._attach()
-        assert self._lines is not None
-        try:
-            async for line in self._lines:
-                ev = _event(line)
-                if ev is None or ev.start is not None:
-                    continue
-                if ev.end is not None:
-                    self.end = ev.end
-                    async for _rest in self._lines:  # as Process.events: to the body's end, the connection kept
-                        break
-                yield ev
-                if ev.end is not None:
-                    return
-        except httpx.TransportError as e:
-            raise DaemonUnavailableError(f"weenv daemon at {self.env.client.socket_path}: {e}") from None
-        finally:
-            if self.end is not None:
-                with _shielded():
-                    await self.detach()
-        if self.end is None:
-            await self.detach()
-            raise ApiError(500, "stream", f"the stream of process {self.pid} was cut (it may still run: connect again)")
-
-    async def _attach(self) -> None:
-        await self.env.client._ensure()
-        cm = self.env.client._http.stream("GET", self._url("/stream"), timeout=_STREAM_WAIT)
-        resp = await cm.__aenter__()
-        if resp.status_code >= 400:
-            await resp.aread()
-            await cm.__aexit__(None, None, None)
-            _raise_for(resp)
-        self._cm, self._resp, self._lines = cm, resp, resp.aiter_lines()
-
-    async def send_stdin(self, data: bytes | str, *, close: bool = False) -> None:
-        payload = data.encode() if isinstance(data, str) else data
-        for i in range(0, max(len(payload), 1), wire.MAX_STDIN_CHUNK_BYTES):
-            last = i + wire.MAX_STDIN_CHUNK_BYTES >= len(payload)
-            body = wire.encode(wire.StdinRequest(data_b64=payload[i : i + wire.MAX_STDIN_CHUNK_BYTES], close=close and last))
-            await self.env.client._request("POST", self._url("/stdin"), content=body)
-
-    async def close_stdin(self) -> None:
-        await self.send_stdin(b"", close=True)
-
-    async def signal(self, sig: int | str = 15) -> None:
-        await self.env.client._request("POST", self._url("/signal"), json={"signal": _signal_value(sig)})
-
-    async def kill(self) -> None:
-        await self.signal(9)
-
-    async def resize(self, rows: int, cols: int) -> None:
-        await self.env.client._request("POST", self._url("/resize"), json={"rows": rows, "cols": cols})
-
-    async def info(self) -> wire.ProcessInfo:
-        return msgspec.convert((await self.env.client._request("GET", self._url())).json(), wire.ProcessInfo)
-
-    async def wait(self, timeout_s: float | None = None) -> wire.ProcessEnd | None:
-        if self._lines is not None and timeout_s is None:
-            async for _ev in self.events():
-                pass
-            return self.end
-        body = {"timeout_s": timeout_s} if timeout_s is not None else {}
-        wait = httpx.Timeout(None if timeout_s is None else timeout_s + 30.0, connect=10.0)
-        data = (await self.env.client._request("POST", self._url("/wait"), json=body, timeout=wait)).content
-        self.end = wire.decode(data, wire.ProcessWait).end
-        return self.end
-
-    async def detach(self) -> None:
-        cm, self._cm, self._resp, self._lines = self._cm, None, None, None
-        if cm is not None:
-            await cm.__aexit__(None, None, None)
-
-    async def __aenter__(self) -> "AsyncProcess":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        with _shielded():
-            await self.detach()
-
-
-def _started(resp: httpx.Response, lines: Iterator[str]) -> int:
+def _first_pid(lines: Iterator[str]) -> int:
     for line in lines:
-        ev = _event(line)
-        if ev is not None and ev.start is not None:
-            return ev.start.pid
-    raise ApiError(500, "stream", "the process stream ended before its start")
-
-async def _astarted(lines: AsyncIterator[str]) -> int:
-    async for line in lines:
-        ev = _event(line)
-        if ev is not None and ev.start is not None:
-            return ev.start.pid
+        pid = calls.started_pid(calls.process_event(line))
+        if pid is not None:
+            return pid
     raise ApiError(500, "stream", "the process stream ended before its start")
 
 
-# ================================================================================ sync
-
-
-class Env:
+class Env(calls.EnvHandle):
     """A running env (synchronous). Use it as a context manager to kill it on exit, together with
-    the envs it forked (but those forked with ``keep=True``)."""
+    the envs it forked (but those forked with ``keep=True``). ``info``: its :class:`weenv._wire.EnvInfo`."""
 
-    def __init__(self, client: "Client", info: dict[str, Any]):
-        self.client = client
-        self.info = info
-        self.id: str = info["id"]
-        self.forks: list[Env] = []  # children of fork(keep=False): they go when this env's `with` ends
-
-    def __repr__(self) -> str:
-        return f"<weenv.Env {self.id}>"
+    def _run(self, call: calls.Call) -> Any:
+        return self.client._run(call)
 
     def exec(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
              user: str | None = None, stdin: bytes | str | None = None, timeout_s: float | None = None,
              on_output: Callable[[str, bytes], Any] | None = None) -> ExecResult:
         """Run a command (a str runs via /bin/sh -c). ``on_output(stream, data)`` streams output as it comes."""
-        body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, on_output is not None)
-        url = f"/v1/envs/{self.id}/exec"
-        wait = _exec_timeout(timeout_s)
+        call = calls.exec_(self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s,
+                           stream=on_output is not None)
         if on_output is None:
-            resp = self.client._request("POST", url, json=body, timeout=wait)
-            return _exec_decoder.decode(resp.content)
-        with self.client._stream("POST", url, json=body, timeout=wait) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                _raise_for(resp)
+            return self._run(call)  # type: ignore[no-any-return]
+        with self.client.connection.stream(call.route, call.params, **call.kw()) as resp:
             for line in resp.iter_lines():
-                result = _stream_line(line, on_output)
+                result = calls.exec_line(line, on_output)
                 if result is not None:
                     return result
         raise ApiError(500, "stream", "exec stream ended without a result")
@@ -498,102 +163,121 @@ class Env:
         """Start a background process (a str runs via /bin/sh -c) and return its handle, attached
         to its output. It outlives the handle and this client. ``stdin`` keeps its stdin open for
         :meth:`Process.send_stdin`; ``pty=(rows, cols)`` runs it on a pseudo-terminal."""
-        body = _process_body(cmd, env, cwd, user, stdin, pty, tag, buffer_bytes)
-        cm = self.client._stream("POST", f"/v1/envs/{self.id}/processes", content=body, timeout=_STREAM_WAIT)
+        call = calls.spawn(self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, pty=pty, tag=tag,
+                           buffer_bytes=buffer_bytes)
+        cm = self.client.connection.stream(call.route, call.params, **call.kw())
         resp = cm.__enter__()
         try:
-            if resp.status_code >= 400:
-                resp.read()
-                _raise_for(resp)
             lines = resp.iter_lines()
-            pid = _started(resp, lines)
+            pid = _first_pid(lines)
         except BaseException:
             cm.__exit__(None, None, None)
             raise
-        proc = Process(self, pid, cm, resp)
-        proc._lines = lines
-        return proc
+        return Process(self, pid, cm, lines)
 
     def connect(self, pid: int) -> Process:
         """Attach to a process started by weenv: first the output kept since its last reader."""
         proc = Process(self, pid)
         proc._attach()
         assert proc._lines is not None
-        _started(proc._resp, proc._lines)  # type: ignore[arg-type]
+        _first_pid(proc._lines)
         return proc
 
     def processes(self) -> list[wire.ProcessInfo]:
         """The env's processes started by weenv (running, and recently finished background ones)."""
-        return msgspec.convert(self.client._request("GET", f"/v1/envs/{self.id}/processes").json(), list[wire.ProcessInfo])
+        return self._run(calls.process_list(self.id))  # type: ignore[no-any-return]
 
     def process(self, pid: int) -> Process:
         """A handle on process ``pid``, not attached (``events()`` attaches)."""
         return Process(self, pid)
 
     def read_file(self, path: str, *, user: str | None = None) -> bytes:
-        return self.client._request("GET", f"/v1/envs/{self.id}/files",
-                                    params={"path": path, **({"user": user} if user else {})}).content
+        return self._run(calls.files_read(self.id, path, user))  # type: ignore[no-any-return]
 
-    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None) -> None:
-        content = data.encode() if isinstance(data, str) else data
-        self.client._request("PUT", f"/v1/envs/{self.id}/files", content=content,
-                             params={"path": path, "mode": f"{mode:o}", **({"user": user} if user else {})})
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None,
+                   xattrs: dict[str, str] | None = None) -> None:
+        """``xattrs``: ``{NAME: value}`` set as ``user.NAME`` on the file (E2B's file metadata)."""
+        self._run(calls.files_write(self.id, path, data, mode, user, xattrs))
 
-    def list_dir(self, path: str) -> list[dict[str, Any]]:
-        return self.client._request("GET", f"/v1/envs/{self.id}/files", params={"path": path, "op": "list"}).json()
+    def put_archive(self, path: str, data: bytes | Iterable[bytes]) -> wire.PathDone:
+        """Unpack a tar (plain or compressed; bytes, or chunks sent as they come) into directory
+        ``path`` of the env, keeping its members' modes, owners and times (no device nodes)."""
+        return self._run(calls.archive_put(self.id, path, data))  # type: ignore[no-any-return]
 
-    def stat(self, path: str) -> dict[str, Any]:
-        return self.client._request("GET", f"/v1/envs/{self.id}/files", params={"path": path, "op": "stat"}).json()
+    def get_archive(self, path: str) -> bytes:
+        """A tar of ``path`` (a file or a whole directory), its members named from its last component."""
+        return self._run(calls.archive_get(self.id, path))  # type: ignore[no-any-return]
 
-    def mkdir(self, path: str, *, mode: int = 0o755) -> None:
-        self.client._request("POST", f"/v1/envs/{self.id}/files/mkdir", params={"path": path, "mode": f"{mode:o}"})
+    def list_dir(self, path: str, *, xattrs: bool = False) -> list[wire.FileInfo]:
+        return self._run(calls.files_list(self.id, path, xattrs))  # type: ignore[no-any-return]
+
+    def stat(self, path: str, *, xattrs: bool = False) -> wire.FileInfo:
+        """``xattrs``: the entry's ``user.*`` extended attributes too (``info.xattrs``)."""
+        return self._run(calls.files_stat(self.id, path, xattrs))  # type: ignore[no-any-return]
+
+    def mkdir(self, path: str, *, mode: int = 0o755, user: str | None = None) -> None:
+        self._run(calls.files_mkdir(self.id, path, mode, user))
+
+    def move(self, path: str, to: str) -> wire.FileInfo:
+        """Rename ``path`` to ``to`` in the env; the moved entry's info."""
+        return self._run(calls.files_move(self.id, path, to))  # type: ignore[no-any-return]
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
-        self.client._request("DELETE", f"/v1/envs/{self.id}/files",
-                             params={"path": path, "recursive": "1" if recursive else "0"})
+        self._run(calls.files_remove(self.id, path, recursive))
 
-    def pause(self) -> None:
-        self.client._request("POST", f"/v1/envs/{self.id}/pause")
+    def pause(self, *, memory: bool | Literal["park"] = True, park_after_s: float | None = None) -> None:
+        """Freeze the env (its processes resume where they were); ``memory=False``: end its processes
+        and keep its files, so it holds no memory while paused (resume boots it again);
+        ``memory="park"``: checkpoint its processes to disk and free their memory (gVisor envs;
+        resume restores them as they were; docs/snapshots.md, "Memory"). A freeze is parked by the
+        daemon once it stayed paused ``park_after_s`` (``math.inf``: never; None: the daemon's
+        ``--park-after``, off by default); crun envs stay frozen (their info says why)."""
+        self._run(calls.pause(self.id, memory, park_after_s))
 
     def resume(self) -> None:
-        self.client._request("POST", f"/v1/envs/{self.id}/resume")
+        self._run(calls.resume(self.id))
 
     def set_timeout(self, ttl_s: float | None) -> None:
-        self.client._request("POST", f"/v1/envs/{self.id}/ttl", json={"ttl_s": ttl_s})
+        self._run(calls.set_ttl(self.id, ttl_s))
 
-    def network(self) -> dict[str, Any]:
+    def metrics(self, start: float | None = None, end: float | None = None) -> list[dict[str, float]]:
+        """Usage points (``t``, cpu and memory) from ``start`` to ``end`` (epoch seconds), oldest first:
+        one every 5 s for the last hour, then now."""
+        return self._run(calls.env_metrics(self.id, start, end))  # type: ignore[no-any-return]
+
+    def network(self) -> wire.NetworkInfo:
         """An egress env's addresses, policy, pinned names and accounting (docs/network.md)."""
-        return self.client._request("GET", f"/v1/envs/{self.id}/network").json()
+        return self._run(calls.network(self.id))  # type: ignore[no-any-return]
 
     def set_network(self, *, allow: list[str] = [], deny: list[str] = [],  # noqa: B006 (never mutated)
-                    remove: list[str] = []) -> dict[str, Any]:  # noqa: B006
+                    remove: list[str] = []) -> wire.NetworkInfo:  # noqa: B006
         """Change a running egress env's policy: new connections follow it when this returns."""
-        body = {"allow": list(allow), "deny": list(deny), "remove": list(remove)}
-        return self.client._request("POST", f"/v1/envs/{self.id}/network", json=body).json()
+        return self._run(calls.set_network(self.id, allow, deny, remove))  # type: ignore[no-any-return]
 
-    def refresh(self) -> dict[str, Any]:
-        self.info = self.client._request("GET", f"/v1/envs/{self.id}").json()
+    def refresh(self) -> wire.EnvInfo:
+        self.info = self._run(calls.env_show(self.id))
         return self.info
 
-    def commit(self, *, ref: str | None = None) -> str:
-        """Seal the env's filesystem into a snapshot; returns its id."""
-        return self.client._request("POST", f"/v1/envs/{self.id}/commit", json={"ref": ref}).json()["snapshot"]
+    def commit(self, *, ref: str | None = None, memory: bool = False) -> str:
+        """Seal the env's filesystem into a snapshot (``memory``: its processes too, a memory
+        snapshot envs start from with them; gVisor envs); returns its id."""
+        return self.client.commit(self.id, ref=ref, memory=memory).snapshot
 
-    def fork(self, n: int, *, keep: bool = False) -> list["Env"]:
-        """Commit once and start ``n`` independent children from that state.
+    def fork(self, n: int, *, keep: bool = False, memory: bool = False) -> list["Env"]:
+        """Commit once and start ``n`` independent children from that state (``memory``: each
+        continues this env's processes from the same instant; gVisor envs).
 
         The children are killed when this env's ``with`` block ends, unless ``keep``; the snapshot
         the fork made is collected by ``gc`` once no env started from it is left."""
-        data = self.client._request("POST", f"/v1/envs/{self.id}/fork", json={"n": n}).json()
-        children = [Env(self.client, info) for info in data["envs"]]
+        children = [Env(self.client, info) for info in self.client.fork(self.id, n, memory=memory).envs]
         if not keep:
             self.forks.extend(children)
         return children
 
     def kill(self) -> None:
-        """Kill this env (its forks live on: they are independent envs)."""
+        """Kill this env (its forks live on: they are independent envs); one already gone is fine."""
         try:
-            self.client._request("DELETE", f"/v1/envs/{self.id}")
+            self.client.kill(self.id)
         except EnvNotFoundError:
             pass
 
@@ -617,355 +301,115 @@ class Env:
 
 
 class Client:
-    """Synchronous client of the local weenv daemon (a socket path), or of ``weenv serve`` (a URL)."""
+    """Synchronous client of the local weenv daemon (a socket path), or of ``weenv serve`` (a URL).
+
+    ``connection``: a :class:`weenv._connection.Connection` to use instead (one made with a fake
+    transport, in tests)."""
 
     def __init__(self, socket_path: str | None = None, *, token: str | None = None, timeout_s: float = 300.0,
-                 autostart: bool = True, cluster: str | None = None):
-        self.socket_path = _target(socket_path, cluster)
-        self.autostart = autostart and not _is_url(self.socket_path)
-        transport = None if _is_url(self.socket_path) else httpx.HTTPTransport(uds=self.socket_path)
-        self._http = httpx.Client(transport=transport, timeout=timeout_s, **_http_options(self.socket_path, token))
-        self._started = False
+                 autostart: bool = True, connection: Connection | None = None):
+        self.connection = connection or Connection(socket_path, token=token, timeout_s=timeout_s, autostart=autostart)
 
-    def _ensure(self) -> None:
-        if self._started:
-            return
-        try:
-            self._http.get("/v1/ping", timeout=5.0)
-        except httpx.TransportError:
-            if not self.autostart:
-                raise DaemonUnavailableError(f"the weenv daemon is not running ({self.socket_path})") from None
-            start_daemon(self.socket_path)
-        self._started = True
+    @property
+    def target(self) -> str:
+        """The daemon's socket path, or the server's URL."""
+        return self.connection.target
 
-    def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        self._ensure()
-        try:
-            resp = self._http.request(method, url, **kw)
-        except httpx.TransportError as e:
-            raise DaemonUnavailableError(f"weenv daemon at {self.socket_path}: {e}") from None
-        _raise_for(resp)
-        return resp
+    socket_path = target
 
-    def _stream(self, method: str, url: str, **kw: Any):  # type: ignore[no-untyped-def]
-        self._ensure()
-        return self._http.stream(method, url, **kw)
+    def _run(self, call: calls.Call) -> Any:
+        return calls.decode(call, self.connection.request(call.route, call.params, **call.kw()))
 
-    def ping(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/ping").json()
+    def ping(self) -> wire.Ping:
+        return self._run(calls.ping())  # type: ignore[no-any-return]
 
     def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
                cpu: str | float | None = None, memory: str | int | None = None, env: dict[str, str] | None = None,
-               workdir: str | None = None, user: str | None = None, network: str | None = None) -> Env:
+               workdir: str | None = None, user: str | None = None, network: str | None = None,
+               volumes: list[dict[str, Any]] | None = None) -> Env:
         """Start an env from a plan or lock (path, dict or Plan) or a snapshot id.
 
-        ``network="host"`` (the node's network, with egress) is for trusted build steps only."""
-        body = _plan_body(plan_or_lock, dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
-                                             memory=None if memory is None else str(memory), env=env, workdir=workdir,
-                                             user=user, network=network))
-        return Env(self, self._request("POST", "/v1/envs", json=body).json())
+        ``network="host"`` (the node's network, with egress) is for trusted build steps only.
+        ``volumes``: ``[[volumes]]`` tables (``{"name", "path", "read_only"}``) mounted beside the plan's."""
+        return Env(self, self._run(calls.create(plan_or_lock, name=name, ttl_s=ttl_s, cpu=cpu, memory=memory, env=env,
+                                                workdir=workdir, user=user, network=network, volumes=volumes)))
 
     def get(self, env_id: str) -> Env:
-        return Env(self, self._request("GET", f"/v1/envs/{env_id}").json())
+        return Env(self, self._run(calls.env_show(env_id)))
 
-    def list(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/v1/envs").json()
+    def list(self) -> list[wire.EnvInfo]:
+        return self._run(calls.env_list())  # type: ignore[no-any-return]
 
-    def gc(self) -> dict[str, Any]:
-        return self._request("POST", "/v1/gc").json()
+    def gc(self) -> wire.GcReport:
+        return self._run(calls.gc())  # type: ignore[no-any-return]
 
-    def top(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/top").json()
+    def top(self) -> wire.Top:
+        return self._run(calls.top())  # type: ignore[no-any-return]
 
-    def snapshots(self) -> list[dict[str, Any]]:
-        return self._request("GET", "/v1/snapshots").json()
+    def snapshots(self) -> list[wire.SnapshotInfo]:
+        return self._run(calls.snapshot_list())  # type: ignore[no-any-return]
 
-    def snapshot(self, snapshot_id: str) -> dict[str, Any]:
+    def snapshot(self, snapshot_id: str) -> wire.SnapshotDetail:
         """One snapshot: its layers, its plan lock (``lock``), where it came from."""
-        return self._request("GET", f"/v1/snapshots/{snapshot_id}").json()
+        return self._run(calls.snapshot_show(snapshot_id))  # type: ignore[no-any-return]
 
     def delete_snapshot(self, snapshot_id: str) -> None:
-        self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
+        self._run(calls.snapshot_delete(snapshot_id))
+
+    # -- volumes: node-local storage envs mount (a plan's [[volumes]], or create(..., volumes=[...]))
+
+    def create_volume(self, name: str | None = None, *, size_bytes: int | None = None) -> vw.VolumeInfo:
+        """A new volume of ``size_bytes`` (default 1 GiB) on the daemon's node."""
+        return self._run(calls.volume_create(name, size_bytes))  # type: ignore[no-any-return]
+
+    def volumes(self) -> list[vw.VolumeInfo]:
+        return self._run(calls.volume_list())  # type: ignore[no-any-return]
+
+    def volume(self, ref: str) -> vw.VolumeInfo:
+        """One volume, by id or name: its size, the bytes used, the envs mounting it."""
+        return self._run(calls.volume_show(ref))  # type: ignore[no-any-return]
+
+    def delete_volume(self, ref: str) -> None:
+        """Remove a volume and its files (ApiError ``volume_in_use`` while an env mounts it)."""
+        self._run(calls.volume_delete(ref))
+
+    def list_volume_dir(self, ref: str, path: str = "/") -> list[wire.FileInfo]:
+        return self._run(calls.volume_list_dir(ref, path))  # type: ignore[no-any-return]
+
+    def read_volume_file(self, ref: str, path: str) -> bytes:
+        return self._run(calls.volume_read(ref, path))  # type: ignore[no-any-return]
+
+    def write_volume_file(self, ref: str, path: str, data: bytes | str, *, mode: int | None = None) -> wire.FileInfo:
+        return self._run(calls.volume_write(ref, path, data, mode))  # type: ignore[no-any-return]
+
+    def kill(self, env_id: str) -> wire.EnvStatus:
+        """Kill env ``env_id`` (EnvNotFoundError when there is none)."""
+        return self._run(calls.kill(env_id))  # type: ignore[no-any-return]
+
+    def commit(self, env_id: str, *, ref: str | None = None, memory: bool = False) -> wire.CommitResponse:
+        """Seal env ``env_id`` into a snapshot (the answer names it: ``.snapshot``)."""
+        return self._run(calls.commit(env_id, ref, memory))  # type: ignore[no-any-return]
+
+    def fork(self, env_id: str, n: int, *, memory: bool = False) -> wire.ForkResponse:
+        """Fork env ``env_id`` ``n`` ways: the snapshot made and the children's infos."""
+        return self._run(calls.fork(env_id, n, memory))  # type: ignore[no-any-return]
+
+    def env(self, env_id: str) -> Env:
+        """A handle on env ``env_id``, not looked up (its first call says if it is gone)."""
+        return Env(self, wire.EnvInfo(id=env_id, name="", status="", created_s=0.0))
+
+    def stop_daemon(self, *, kill_envs: bool = False) -> wire.StopResponse:
+        """Ask the daemon to stop (``kill_envs``: its envs first)."""
+        return self._run(calls.daemon_stop(kill_envs))  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        self._http.close()
+        self.connection.close()
 
     def __enter__(self) -> "Client":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# ================================================================================ async
-
-
-class AsyncEnv:
-    """A running env (async: asyncio or trio). ``async with`` kills it on exit, together with the
-    envs it forked (but those forked with ``keep=True``)."""
-
-    def __init__(self, client: "AsyncClient", info: dict[str, Any]):
-        self.client = client
-        self.info = info
-        self.id: str = info["id"]
-        self.forks: list[AsyncEnv] = []  # children of fork(keep=False): they go when `async with` ends
-
-    def __repr__(self) -> str:
-        return f"<weenv.AsyncEnv {self.id}>"
-
-    async def exec(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-                   user: str | None = None, stdin: bytes | str | None = None, timeout_s: float | None = None,
-                   on_output: Callable[[str, bytes], Any] | None = None) -> ExecResult:
-        body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, on_output is not None)
-        url = f"/v1/envs/{self.id}/exec"
-        wait = _exec_timeout(timeout_s)
-        if on_output is None:
-            resp = await self.client._request("POST", url, json=body, timeout=wait)
-            return _exec_decoder.decode(resp.content)
-        await self.client._ensure()
-        async with self.client._http.stream("POST", url, json=body, timeout=wait) as resp:
-            if resp.status_code >= 400:
-                await resp.aread()
-                _raise_for(resp)
-            async for line in resp.aiter_lines():
-                result = _stream_line(line, on_output)
-                if result is not None:
-                    return result
-        raise ApiError(500, "stream", "exec stream ended without a result")
-
-    async def spawn(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-                    user: str | None = None, stdin: bool = False, pty: tuple[int, int] | None = None,
-                    tag: str | None = None, buffer_bytes: int | None = None) -> AsyncProcess:
-        """As :meth:`Env.spawn`."""
-        body = _process_body(cmd, env, cwd, user, stdin, pty, tag, buffer_bytes)
-        await self.client._ensure()
-        cm = self.client._http.stream("POST", f"/v1/envs/{self.id}/processes", content=body, timeout=_STREAM_WAIT)
-        resp = await cm.__aenter__()
-        try:
-            if resp.status_code >= 400:
-                await resp.aread()
-                _raise_for(resp)
-            lines = resp.aiter_lines()
-            pid = await _astarted(lines)
-        except BaseException:
-            with _shielded():
-                await cm.__aexit__(None, None, None)
-            raise
-        proc = AsyncProcess(self, pid, cm, resp)
-        proc._lines = lines
-        return proc
-
-    async def connect(self, pid: int) -> AsyncProcess:
-        proc = AsyncProcess(self, pid)
-        await proc._attach()
-        assert proc._lines is not None
-        await _astarted(proc._lines)
-        return proc
-
-    async def processes(self) -> list[wire.ProcessInfo]:
-        resp = await self.client._request("GET", f"/v1/envs/{self.id}/processes")
-        return msgspec.convert(resp.json(), list[wire.ProcessInfo])
-
-    def process(self, pid: int) -> AsyncProcess:
-        return AsyncProcess(self, pid)
-
-    async def read_file(self, path: str, *, user: str | None = None) -> bytes:
-        resp = await self.client._request("GET", f"/v1/envs/{self.id}/files",
-                                          params={"path": path, **({"user": user} if user else {})})
-        return resp.content
-
-    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644, user: str | None = None) -> None:
-        content = data.encode() if isinstance(data, str) else data
-        await self.client._request("PUT", f"/v1/envs/{self.id}/files", content=content,
-                                   params={"path": path, "mode": f"{mode:o}", **({"user": user} if user else {})})
-
-    async def list_dir(self, path: str) -> list[dict[str, Any]]:
-        return (await self.client._request("GET", f"/v1/envs/{self.id}/files", params={"path": path, "op": "list"})).json()
-
-    async def mkdir(self, path: str, *, mode: int = 0o755) -> None:
-        await self.client._request("POST", f"/v1/envs/{self.id}/files/mkdir", params={"path": path, "mode": f"{mode:o}"})
-
-    async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self.client._request("DELETE", f"/v1/envs/{self.id}/files",
-                                   params={"path": path, "recursive": "1" if recursive else "0"})
-
-    async def pause(self) -> None:
-        await self.client._request("POST", f"/v1/envs/{self.id}/pause")
-
-    async def resume(self) -> None:
-        await self.client._request("POST", f"/v1/envs/{self.id}/resume")
-
-    async def set_timeout(self, ttl_s: float | None) -> None:
-        await self.client._request("POST", f"/v1/envs/{self.id}/ttl", json={"ttl_s": ttl_s})
-
-    async def network(self) -> dict[str, Any]:
-        """An egress env's addresses, policy, pinned names and accounting (docs/network.md)."""
-        return (await self.client._request("GET", f"/v1/envs/{self.id}/network")).json()
-
-    async def set_network(self, *, allow: list[str] = [], deny: list[str] = [],  # noqa: B006 (never mutated)
-                          remove: list[str] = []) -> dict[str, Any]:  # noqa: B006
-        """Change a running egress env's policy: new connections follow it when this returns."""
-        body = {"allow": list(allow), "deny": list(deny), "remove": list(remove)}
-        return (await self.client._request("POST", f"/v1/envs/{self.id}/network", json=body)).json()
-
-    async def commit(self, *, ref: str | None = None) -> str:
-        return (await self.client._request("POST", f"/v1/envs/{self.id}/commit", json={"ref": ref})).json()["snapshot"]
-
-    async def fork(self, n: int, *, keep: bool = False) -> list["AsyncEnv"]:
-        """As :meth:`Env.fork`: the children go when this env's ``async with`` ends, unless ``keep``."""
-        data = (await self.client._request("POST", f"/v1/envs/{self.id}/fork", json={"n": n})).json()
-        children = [AsyncEnv(self.client, info) for info in data["envs"]]
-        if not keep:
-            self.forks.extend(children)
-        return children
-
-    async def kill(self) -> None:
-        """Kill this env (its forks live on: they are independent envs)."""
-        try:
-            await self.client._request("DELETE", f"/v1/envs/{self.id}")
-        except EnvNotFoundError:
-            pass
-
-    async def _kill_with_forks(self) -> None:
-        import anyio  # httpx's own async layer: task groups under asyncio and trio alike
-
-        forks, self.forks = self.forks, []
-        errors: list[WeenvError] = []
-
-        async def kill(child: AsyncEnv) -> None:
-            try:
-                await child._kill_with_forks()
-            except WeenvError as e:  # the others still go
-                errors.append(e)
-
-        async with anyio.create_task_group() as tg:
-            for child in forks:
-                tg.start_soon(kill, child)
-        await self.kill()
-        if errors:
-            raise errors[0]
-
-    async def __aenter__(self) -> "AsyncEnv":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        with _shielded():
-            await self._kill_with_forks()
-
-
-def _shielded() -> Any:
-    """A cancel scope that lets cleanup finish when the task is being cancelled (asyncio or trio)."""
-    import anyio
-
-    return anyio.CancelScope(shield=True)
-
-
-class _EnvStart:
-    """What :meth:`AsyncClient.create` returns: ``await`` it for the :class:`AsyncEnv`, or use it
-    as ``async with client.create(...) as env:`` to kill the env (and its forks) on exit."""
-
-    def __init__(self, coro: Any):
-        self._coro = coro
-        self._env: AsyncEnv | None = None
-
-    def __await__(self) -> Any:
-        return self._coro.__await__()
-
-    async def __aenter__(self) -> AsyncEnv:
-        self._env = await self._coro
-        return self._env
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._env is not None:
-            await self._env.__aexit__(*exc)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        raise AttributeError(f"AsyncClient.create() returns no env yet: write `env = await client.create(...)` "
-                             f"or `async with client.create(...) as env:` before `env.{name}`")
-
-
-class AsyncClient:
-    """Async client of the local weenv daemon or of ``weenv serve`` (httpx.AsyncClient: asyncio or trio)."""
-
-    def __init__(self, socket_path: str | None = None, *, token: str | None = None, timeout_s: float = 300.0,
-                 autostart: bool = True, cluster: str | None = None):
-        self.socket_path = _target(socket_path, cluster)
-        self.autostart = autostart and not _is_url(self.socket_path)
-        transport = None if _is_url(self.socket_path) else httpx.AsyncHTTPTransport(uds=self.socket_path)
-        self._http = httpx.AsyncClient(transport=transport, timeout=timeout_s,
-                                       **_http_options(self.socket_path, token))
-        self._started = False
-
-    async def _ensure(self) -> None:
-        if self._started:
-            return
-        try:
-            await self._http.get("/v1/ping", timeout=5.0)
-        except httpx.TransportError:
-            if not self.autostart:
-                raise DaemonUnavailableError(f"the weenv daemon is not running ({self.socket_path})") from None
-            import anyio.to_thread  # httpx's own async backend layer: works under asyncio and trio
-
-            await anyio.to_thread.run_sync(start_daemon, self.socket_path)
-        self._started = True
-
-    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        await self._ensure()
-        try:
-            resp = await self._http.request(method, url, **kw)
-        except httpx.TransportError as e:
-            raise DaemonUnavailableError(f"weenv daemon at {self.socket_path}: {e}") from None
-        _raise_for(resp)
-        return resp
-
-    async def ping(self) -> dict[str, Any]:
-        return (await self._request("GET", "/v1/ping")).json()
-
-    def create(self, plan_or_lock: Any, *, name: str | None = None, ttl_s: float | None = None,
-               cpu: str | float | None = None, memory: str | int | None = None,
-               env: dict[str, str] | None = None, workdir: str | None = None, user: str | None = None,
-               network: str | None = None) -> _EnvStart:
-        """Start an env: ``env = await client.create(...)``, or ``async with client.create(...) as env:``
-        to kill it on exit. Arguments as :meth:`Client.create`."""
-        return _EnvStart(self._create(plan_or_lock, name=name, ttl_s=ttl_s, cpu=cpu, memory=memory, env=env,
-                                      workdir=workdir, user=user, network=network))
-
-    async def _create(self, plan_or_lock: Any, *, name: str | None, ttl_s: float | None, cpu: str | float | None,
-                      memory: str | int | None, env: dict[str, str] | None, workdir: str | None,
-                      user: str | None, network: str | None) -> AsyncEnv:
-        body = _plan_body(plan_or_lock, dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
-                                             memory=None if memory is None else str(memory), env=env, workdir=workdir,
-                                             user=user, network=network))
-        return AsyncEnv(self, (await self._request("POST", "/v1/envs", json=body)).json())
-
-    async def get(self, env_id: str) -> AsyncEnv:
-        return AsyncEnv(self, (await self._request("GET", f"/v1/envs/{env_id}")).json())
-
-    async def list(self) -> list[dict[str, Any]]:
-        return (await self._request("GET", "/v1/envs")).json()
-
-    async def gc(self) -> dict[str, Any]:
-        return (await self._request("POST", "/v1/gc")).json()
-
-    async def snapshots(self) -> list[dict[str, Any]]:
-        return (await self._request("GET", "/v1/snapshots")).json()
-
-    async def snapshot(self, snapshot_id: str) -> dict[str, Any]:
-        return (await self._request("GET", f"/v1/snapshots/{snapshot_id}")).json()
-
-    async def delete_snapshot(self, snapshot_id: str) -> None:
-        await self._request("DELETE", f"/v1/snapshots/{snapshot_id}")
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> "AsyncClient":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 def iter_envs(client: Client) -> Iterator[Env]:

@@ -28,6 +28,7 @@ from msgspec import Meta
 
 MAX_JSON_BODY_BYTES = 1 << 20
 MAX_UPLOAD_BYTES = 256 << 20
+MAX_ARCHIVE_BYTES = 64 << 30  # a tar into an env (COPY, put_archive); its disk bounds it too
 MAX_EXEC_TIMEOUT_S = 7 * 86400.0
 MAX_TTL_S = 366 * 86400.0
 MAX_ARGS = 4096  # what weenv-agent takes (its MAX_ARGS)
@@ -59,7 +60,25 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit
 
 
 class ResponseBody(msgspec.Struct, kw_only=True):
-    """Base of what the daemon answers: clients ignore fields they do not know."""
+    """Base of what the daemon answers: clients ignore fields they do not know.
+
+    Fields read as attributes (``info.id``); ``info["id"]`` and ``info.get("id")`` read them too,
+    for code written when the clients answered with dicts."""
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.__struct_fields__:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self, name, default) if name in self.__struct_fields__ else default
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.__struct_fields__
+
+    def to_builtins(self) -> dict[str, Any]:
+        """As JSON-ready builtins (``weenv ... --json``)."""
+        return msgspec.to_builtins(self)  # type: ignore[no-any-return]
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -70,8 +89,7 @@ class ExecRequest(RequestBody):
 
     argv: Annotated[list[NoNul], Meta(min_length=1, max_length=MAX_ARGS)] | None = None
     cmd: NoNul | None = None
-    env: dict[EnvName, NoNul] | None = None
-    """Merged over the env's own environment."""
+    env: dict[EnvName, NoNul] | None = None  # merged over the env's own environment
     cwd: Path | None = None
     user: Name | None = None
     """A user name or ``uid[:gid]`` from the env's own account files."""
@@ -110,8 +128,7 @@ class ProcessStartRequest(RequestBody):
     """Keep the command's stdin open for ``POST .../stdin`` (else it reads /dev/null)."""
     pty: PtySize | None = None
     """Run it on a pseudo-terminal of this size (stdin, stdout and stderr are the terminal)."""
-    tag: Annotated[str, Meta(max_length=256, pattern=r"^[^\x00]*$")] | None = None
-    """A label listed with the process."""
+    tag: Annotated[str, Meta(max_length=256, pattern=r"^[^\x00]*$")] | None = None  # a label listed with it
     buffer_bytes: Annotated[int, Meta(ge=4096, le=MAX_PROCESS_BUFFER_BYTES)] | None = None
     """Output kept while nobody is connected (newest first dropped oldest; default 1 MiB)."""
     stream: bool = True
@@ -160,41 +177,45 @@ class Overrides(RequestBody):
     workdir: Path | None = None
     user: Name | None = None
     network: Annotated[str, Meta(max_length=64)] | None = None
-
+    volumes: Annotated[list[dict[str, Any]], Meta(max_length=32)] | None = None  # [[volumes]] beside the plan's
     def given(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
 
 
 class CreateRequest(RequestBody):
-    """``POST /v1/envs``: give exactly one of ``plan``, ``plan_text`` or ``snapshot``."""
+    """``POST /v1/envs``: give exactly one of ``plan``, ``plan_text``, ``snapshot`` or ``image``."""
 
     plan: dict[str, Any] | None = None
     """A plan or lock (a lock has ``lock_version``) as an object; validated as a plan file is."""
-    plan_text: str | None = None
-    """A plan or lock document, in ``format``."""
+    plan_text: str | None = None  # a plan or lock document, in ``format``
     format: Literal["toml", "json"] = "toml"
-    source: Annotated[str, Meta(max_length=4096)] | None = None
-    """Names the document in error messages (the client sends the file path)."""
+    source: Annotated[str, Meta(max_length=4096)] | None = None  # names the document in error messages
     snapshot: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    image: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
+    """An image REF, ``oci:DIR[:TAG]`` or ``docker-archive:FILE``, converted once (docs/images.md)."""
     overrides: Overrides | None = None
+    restricted: bool = False
+    """Set by ``weenv serve`` for non-admin keys (a tenant's env): the env's network policy can never
+    open the node, loopback, link-local, the egress range or the node's addresses, and DNS answers
+    in them are dropped; ``network = "host"`` is refused. Its forks are restricted too
+    (docs/network.md, "Tenant envs")."""
 
     def __post_init__(self) -> None:
-        given = [f for f in ("plan", "plan_text", "snapshot") if getattr(self, f) is not None]
+        given = [f for f in ("plan", "plan_text", "snapshot", "image") if getattr(self, f) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of 'plan' (an object), 'plan_text' (a document) or 'snapshot' (an id)")
+            raise ValueError("give exactly one of 'plan', 'plan_text', 'snapshot' (an id) or 'image' (a REF)")
 
 
 class CommitRequest(RequestBody):
     """``POST /v1/envs/{id}/commit``."""
-
-    ref: Annotated[str, Meta(min_length=1, max_length=512)] | None = None
-    """Also tag the snapshot's layer under this reference."""
+    ref: Annotated[str, Meta(min_length=1, max_length=512)] | None = None  # also tag the layer under this reference
+    memory: bool = False  # also checkpoint its processes (gVisor envs; docs/snapshots.md, "Memory")
 
 
 class ForkRequest(RequestBody):
     """``POST /v1/envs/{id}/fork``: commit once, start ``n`` children."""
-
     n: Annotated[int, Meta(ge=1, le=MAX_FORK)] = 1
+    memory: bool = False  # the children restore the parent's processes (a memory snapshot), not boot afresh
 
 
 class TtlRequest(RequestBody):
@@ -214,11 +235,12 @@ class StopRequest(RequestBody):
 
 
 class FilesQuery(RequestBody):
-    """``GET /v1/envs/{id}/files?path=&op=&user=``."""
+    """``GET /v1/envs/{id}/files?path=&op=&user=&xattrs=``."""
 
     path: Path
     op: Literal["read", "list", "stat"] = "read"
     user: Name | None = None
+    xattrs: Literal["true", "false"] = "false"  # stat, list: each entry's user.* extended attributes too
 
 
 class FilesWriteQuery(RequestBody):
@@ -228,6 +250,7 @@ class FilesWriteQuery(RequestBody):
     path: Path
     mode: OctalMode | None = None
     user: Name | None = None
+    xattrs: Annotated[str, Meta(max_length=65536)] | None = None  # a write: JSON {NAME: value}, set as user.NAME
 
     def mode_bits(self, default: int) -> int:
         return default if self.mode is None else int(self.mode, 8)
@@ -240,8 +263,59 @@ class FilesRemoveQuery(RequestBody):
     recursive: Literal["0", "1"] = "0"
 
 
+class FilesMoveQuery(RequestBody):
+    """``POST /v1/envs/{id}/files/move?path=&to=``: rename a path in the env."""
+
+    path: Path
+    to: Path
+
+
+class ArchiveQuery(RequestBody):
+    """``PUT /v1/envs/{id}/archive?path=DIR`` (the body a tar) and ``GET ...?path=PATH`` (a tar of it)."""
+
+    path: Path
+
+
 class NoQuery(RequestBody):
     """Routes that take no query parameters."""
+
+
+# -- error kinds ------------------------------------------------------------------------------
+
+KIND_STATUS: dict[str, int] = {
+    "bad_request": 400, "bad_path": 400, "bad_plan": 400, "file_error": 400, "command_not_found": 400,
+    "cannot_start": 400,
+    "unauthorized": 401, "forbidden": 403,
+    "not_found": 404, "no_route": 404, "env_not_found": 404, "snapshot_not_found": 404, "file_not_found": 404,
+    "process_not_found": 404, "template_not_found": 404, "key_not_found": 404, "volume_not_found": 404,
+    "method_not_allowed": 405, "wrong_state": 409, "memory_unavailable": 409, "process_state": 409, "process_exited": 409, "conflict": 409, "volume_in_use": 409,
+    "volume_conflict": 409,
+    "env_lost": 410, "too_large": 413, "unsupported_media": 415, "quota_exceeded": 429,
+    "internal": 500, "failed": 500, "start_failed": 500, "template_unreadable": 500, "not_supported": 501,
+    "registry": 502, "store_error": 502, "env_not_running": 502, "daemon_error": 502,
+    "not_admitted": 503, "daemon_unavailable": 503, "node_lost": 503,
+}
+"""Every error answer names a kind; this is the HTTP status each kind travels with, on the daemon's
+API and on ``weenv serve`` alike (tests/test_kinds.py checks every place that raises one)."""
+
+API_STATUS: dict[str, int] = {"not_admitted": 429}
+"""Where ``weenv serve`` answers a daemon's kind with another status: a full node is E2B's "too many
+sandboxes", a 429 (the SDK's RateLimitException)."""
+
+
+class HttpError(Exception):
+    """An error answer: ``status``, a machine ``kind`` (:data:`KIND_STATUS`) and a message for
+    people. The daemon's server answers it as ``{"error": {"kind", "message"}}``, ``weenv serve``
+    in the shape of the surface asked."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+    @classmethod
+    def of(cls, kind: str, message: str) -> "HttpError":
+        """The error of ``kind``, with the status the table gives it."""
+        return cls(KIND_STATUS[kind], kind, message)
 
 
 # -- answers ----------------------------------------------------------------------------------
@@ -272,9 +346,9 @@ class EnvInfo(ResponseBody):
     """One env, as ``weenv ps`` shows it."""
 
     id: str
-    name: str
-    status: str
-    created_s: float
+    name: str = ""
+    status: str = ""
+    created_s: float = 0.0
     expires_s: float | None = None
     init_pid: int | None = None
     snapshot: str | None = None
@@ -283,10 +357,69 @@ class EnvInfo(ResponseBody):
     rootfs: str = ""
     error: str | None = None
     timings_ms: dict[str, float] = {}
-    resources: dict[str, Any] | None = None
-    """The monitor's view (quotas, usage); in ``GET /v1/envs`` and ``GET /v1/envs/{id}``."""
-    network: dict[str, Any] | None = None
-    """An egress env's addresses, policy, pinned names and accounting (docs/network.md); None otherwise."""
+    resources: dict[str, Any] | None = None  # the monitor's view (quotas, usage); in GET /v1/envs[/{id}]
+    network: dict[str, Any] | None = None  # an egress env's addresses, policy, pins, accounting (docs/network.md)
+    restricted: bool = False  # a tenant's env (a non-admin API key's): its egress never opens the node
+    user: str | None = None  # its plan's user and working directory (exec's defaults; no user: root)
+    workdir: str | None = None
+    volumes: list[str] = []  # the ids of the volumes it mounts
+    parked: bool = False  # paused with its memory on disk (pause memory=park): resume restores it
+    park_at_s: float | None = None  # frozen: when the daemon parks it (pause park_after_s, daemon --park-after)
+    not_parked_because: str = ""  # a pause asked to be parked later, and why it will not be (crun; a failed park)
+    access_token: str | None = None  # ``weenv serve`` only, to the env's owner: its access token (envd; its ports)
+    traffic_token: str | None = None  # ``weenv serve`` only, ports not public: the token that opens them (only them)
+
+
+class GcReport(ResponseBody):
+    """``POST /v1/gc``: what was removed, by kind."""
+
+    envs: list[str] = []
+    containers: list[Any] = []
+    cgroups: list[Any] = []
+    mounts: list[Any] = []
+    dirs: list[Any] = []
+    layers: list[Any] = []
+    pooled: Any = None
+    network: Any = None
+    snapshots: list[Any] = []
+    trees: Any = None
+    temps: Any = None
+
+
+class Top(ResponseBody):
+    """``GET /v1/top``: the elastic monitor's view of the node and of every env (docs/elastic.md)."""
+
+    interval_ms: float = 0
+    ticks: int = 0
+    wall_s: float = 0.0
+    node: dict[str, Any] | None = None
+    envs: dict[str, dict[str, Any]] = {}
+    totals: dict[str, Any] = {}
+    policy: dict[str, Any] = {}
+    statistics: dict[str, Any] = {}
+    layer_trees: dict[str, Any] | None = None
+    network: dict[str, Any] = {}
+    admission: dict[str, Any] = {}
+
+
+class NetworkInfo(ResponseBody):
+    """``GET|POST /v1/envs/{id}/network``: an egress env's addresses, policy, pinned names and
+    accounting (docs/network.md); ``mode`` is ``not egress`` for the others."""
+
+    mode: str = "egress"
+    address: str | None = None
+    gateway: str | None = None
+    netns: str | None = None
+    veth: str | None = None
+    allow: list[str] = []
+    deny: list[str] = []
+    dns: str | None = None
+    bandwidth_bps: int | None = None
+    restricted: bool = False
+    policy: dict[str, Any] = {}
+    resolved: dict[str, list[str]] = {}
+    counters: dict[str, Any] = {}
+    dns_dropped: dict[str, Any] | None = None
 
 
 class SnapshotInfo(ResponseBody):
@@ -299,13 +432,12 @@ class SnapshotInfo(ResponseBody):
     build_key: str | None = None
     diff_bytes: int = 0
     cpu_quota_cores: float | None = None
-    fork: bool = False
-    """Made by fork: gc collects it once no env started from it is left."""
+    fork: bool = False  # made by fork: gc collects it once no env started from it is left
+    memory: dict[str, Any] | None = None  # a memory snapshot's image (digest, size, toc_digest, image_bytes, facts)
 
 
 class SnapshotDetail(SnapshotInfo, kw_only=True):
     """``GET /v1/snapshots/{id}``: with the plan lock envs from it start on."""
-
     lock: dict[str, Any] = {}
 
 
@@ -358,6 +490,7 @@ class FileInfo(ResponseBody, frozen=True):
     gid: int
     mtime_s: float
     link_target: str | None = None
+    xattrs: dict[str, str] | None = None  # its user.* extended attributes, prefix dropped (when asked)
 
 
 class ExecResult(ResponseBody, frozen=True):
@@ -436,14 +569,12 @@ class ProcessEvent(ResponseBody, kw_only=True, omit_defaults=True):
 
 class ProcessWait(ResponseBody, kw_only=True):
     """Answer of ``.../wait``: ``end`` is None when the timeout came first."""
-
     pid: int
     end: ProcessEnd | None = None
 
 
 class Done(ResponseBody):
     """Answer of stdin, signal and resize."""
-
     pid: int
 
 
@@ -454,18 +585,14 @@ encode = msgspec.json.Encoder().encode
 
 
 def encode_request(cls: type[RequestBody], /, **fields: Any) -> bytes:
-    """A request body for ``cls``, checked as the daemon will check it (``None`` fields left out).
-
-    Constructing a Struct does not validate it, and the encoder writes NaN as ``null``: a client
-    that built ``TtlRequest(ttl_s=nan)`` would silently clear the TTL. Going through
-    ``msgspec.convert`` refuses it here, with the location (``Expected `float` > 0.0 - at $.ttl_s``).
-    Raises msgspec.ValidationError."""
+    """A request body for ``cls`` (``None`` fields left out), checked as the daemon will check it:
+    building a Struct validates nothing and NaN encodes as ``null`` (``ttl_s=nan`` would clear the
+    TTL); ``msgspec.convert`` refuses it with the location. Raises msgspec.ValidationError."""
     return encode(msgspec.convert({k: v for k, v in fields.items() if v is not None}, cls))
 
 
 def decode(data: bytes, cls: type[T]) -> T:
-    """``data`` (JSON) as ``cls``; raises msgspec.DecodeError / ValidationError with the location,
-    or RecursionError for nesting deeper than the interpreter allows."""
+    """``data`` (JSON) as ``cls``; msgspec.DecodeError / ValidationError name the place."""
     dec = _decoders.get(cls)
     if dec is None:
         dec = _decoders[cls] = msgspec.json.Decoder(cls)

@@ -13,6 +13,7 @@ from ._app import create_app as create_app
 from ._app import serve as serve
 from ._backend import Backend as Backend
 from ._backend import NodeBackend as NodeBackend
+from ._e2b_requests import ImageRouting as ImageRouting
 from ._store import AccessTokens as AccessTokens
 from ._store import ApiKey as ApiKey
 from ._store import KeyStore as KeyStore
@@ -20,5 +21,5 @@ from ._store import OwnerTable as OwnerTable
 from ._store import StoreError as StoreError
 from ._store import TemplateStore as TemplateStore
 
-__all__ = ["AccessTokens", "ApiKey", "Backend", "Gate", "KeyStore", "NodeBackend", "OwnerTable", "StoreError",
+__all__ = ["AccessTokens", "ApiKey", "Backend", "Gate", "ImageRouting", "KeyStore", "NodeBackend", "OwnerTable", "StoreError",
            "TemplateStore", "create_app", "serve"]

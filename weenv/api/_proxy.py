@@ -19,7 +19,7 @@ import h11
 import msgspec
 from anyio.abc import SocketStream
 
-from .._client import AsyncClient, _is_url
+from .._aclient import AsyncClient
 from ._common import log
 
 MAX_HEAD_BYTES = 64 << 10
@@ -50,18 +50,19 @@ class Tunnel:
         API on TCP (the cluster gateway: ``http://`` only, with the client's ``Authorization``)."""
         auth: list[tuple[str, str]] = []
         try:
-            if _is_url(client.socket_path):
-                url = urllib.parse.urlsplit(client.socket_path)
+            conn = client.connection
+            if conn.remote:
+                url = urllib.parse.urlsplit(conn.target)
                 if url.scheme != "http" or not url.hostname:
                     raise TunnelError(501, f"env ports are proxied to a daemon's TCP API over plain http:// only, "
-                                      f"not {client.socket_path!r}")
+                                      f"not {conn.target!r}")
                 sock: SocketStream = await anyio.connect_tcp(url.hostname, url.port or 80)
-                if (value := client._http.headers.get("authorization")) is not None:
+                if (value := conn.authorization) is not None:
                     auth = [("authorization", value)]  # the node API's cluster token, on its first request
             else:
-                sock = await anyio.connect_unix(client.socket_path)
+                sock = await anyio.connect_unix(conn.target)
         except OSError as e:
-            log.error("the daemon does not answer at %s: %s", client.socket_path, e)
+            log.error("the daemon does not answer at %s: %s", client.target, e)
             raise TunnelError(503, "the node's weenv daemon does not answer") from None
         t = cls(sock)
         try:

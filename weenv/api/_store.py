@@ -35,7 +35,12 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class StoreError(ValueError):
-    """A bad name, a duplicate, or an entry that does not exist; the message says which."""
+    """A bad name (kind ``bad_request``), a duplicate (``conflict``), or an entry that does not
+    exist (``key_not_found``, ``template_not_found``); the message says which."""
+
+    def __init__(self, message: str, kind: str = "bad_request"):
+        super().__init__(message)
+        self.kind = kind
 
 
 def api_dir() -> str:
@@ -110,47 +115,146 @@ def _sha256(text: str) -> str:
 
 
 class ApiKey(dict):  # type: ignore[type-arg]
-    """One key's record: ``name``, ``admin``, ``created_s`` (and ``sha256``)."""
+    """One key's record: ``name``, ``id``, ``admin``, ``created_s``, ``limits`` (and ``sha256``).
+
+    ``id`` is new with every key, so a key made again under a revoked key's name is another
+    key: it owns none of the old one's envs, and their access tokens do not work for it."""
 
     @property
     def name(self) -> str:
         return str(self["name"])
 
     @property
+    def id(self) -> str:
+        return str(self["id"])
+
+    @property
     def admin(self) -> bool:
         return bool(self.get("admin"))
+
+    @property
+    def created_s(self) -> float:
+        return float(self.get("created_s") or 0.0)
+
+    def owner_fields(self) -> dict[str, Any]:
+        """What an API record of something this key made says of its owner."""
+        return {"owner": self.name, "owner_id": self.id}
+
+
+def owns(key: ApiKey, rec: dict[str, Any] | None) -> bool:
+    """Whether ``rec`` (an env's or snapshot's API record) is ``key``'s own (admin keys own nothing
+    by this test: they may *use* everything, see :func:`may_use`).
+
+    Records from before key ids name the owner only: they are the key's when it has that name and
+    is older than the record (a key made later under the same name is not their owner)."""
+    if rec is None:
+        return False
+    if rec.get("owner_id") is not None:
+        return hmac.compare_digest(str(rec["owner_id"]), key.id)
+    started = rec.get("started_s") or rec.get("created_s")
+    return rec.get("owner") == key.name and (started is None or key.created_s <= float(started))
+
+
+def may_use(key: ApiKey, rec: dict[str, Any] | None) -> bool:
+    return key.admin or owns(key, rec)
+
+
+def _legacy_id(rec: dict[str, Any]) -> str:
+    return "k" + str(rec.get("sha256", ""))[:15]
+
+
+def _public(rec: dict[str, Any]) -> ApiKey:
+    out = {k: v for k, v in rec.items() if k != "sha256"}
+    out.setdefault("id", _legacy_id(rec))
+    return ApiKey(out)
+
+
+REVOKED_ENVS = ("kill", "keep")
 
 
 class KeyStore:
     """API keys. ``verify`` hashes what it is given and compares it with every stored hash
-    (``hmac.compare_digest``), so the time it takes does not depend on which key matched."""
+    (``hmac.compare_digest``), so the time it takes does not depend on which key matched.
+
+    ``revoke`` keeps a record of the revoked key (its id, name and what becomes of its envs:
+    ``kill``, the default, or ``keep`` for an admin); ``weenv serve`` acts on it
+    (weenv/api/_reaper.py) and refuses the key's access tokens from the next request on."""
 
     def __init__(self, directory: str | None = None):
         self._file = _JsonFile(os.path.join(directory or api_dir(), "keys.json"))
 
-    def create(self, name: str, *, admin: bool = False) -> str:
+    def create(self, name: str, *, admin: bool = False, limits: dict[str, Any] | None = None) -> str:
         """A new key named ``name``; returns the key (it is stored only as its hash)."""
         _check_name(name, "key")
         data = dict(self._file.read())
         keys = dict(data.get("keys", {}))
         if name in keys:
-            raise StoreError(f"a key named {name!r} exists already (revoke it first)")
+            raise StoreError(f"a key named {name!r} exists already (revoke it first)", "conflict")
         key = KEY_PREFIX + secrets.token_urlsafe(32)
-        keys[name] = {"name": name, "sha256": _sha256(key), "admin": admin, "created_s": time.time()}
+        rec: dict[str, Any] = {"name": name, "id": "k" + secrets.token_hex(8), "sha256": _sha256(key),
+                               "admin": admin, "created_s": time.time()}
+        if limits:
+            rec["limits"] = dict(limits)
+        keys[name] = rec
         self._file.write({**data, "keys": keys})
         return key
 
     def list(self) -> list[ApiKey]:
-        return [ApiKey({k: v for k, v in rec.items() if k != "sha256"})
-                for rec in self._file.read().get("keys", {}).values()]
+        return [_public(rec) for rec in self._file.read().get("keys", {}).values()]
 
-    def revoke(self, name: str) -> None:
+    def get(self, name: str) -> ApiKey:
+        rec = self._file.read().get("keys", {}).get(name)
+        if rec is None:
+            raise StoreError(f"no key named {name!r} (see `weenv token ls`)", "key_not_found")
+        return _public(rec)
+
+    def set_limits(self, name: str, limits: dict[str, Any]) -> ApiKey:
+        """Replace the given limits of key ``name`` (a value of None goes back to the default)."""
         data = dict(self._file.read())
         keys = dict(data.get("keys", {}))
         if name not in keys:
-            raise StoreError(f"no key named {name!r} (see `weenv token ls`)")
-        del keys[name]
+            raise StoreError(f"no key named {name!r} (see `weenv token ls`)", "key_not_found")
+        merged = {**keys[name].get("limits", {}), **limits}
+        keys[name] = {**keys[name], "limits": {k: v for k, v in merged.items() if v is not None}}
         self._file.write({**data, "keys": keys})
+        return _public(keys[name])
+
+    def defaults(self) -> dict[str, Any]:
+        """The operator's default limits (``weenv token defaults``) for keys that set none."""
+        return dict(self._file.read().get("defaults", {}))
+
+    def set_defaults(self, limits: dict[str, Any]) -> dict[str, Any]:
+        data = dict(self._file.read())
+        merged = {**data.get("defaults", {}), **limits}
+        data["defaults"] = {k: v for k, v in merged.items() if v is not None}
+        self._file.write(data)
+        return dict(data["defaults"])
+
+    def revoke(self, name: str, *, envs: str = "kill") -> ApiKey:
+        """Delete a key. Its envs are killed (``envs="kill"``) or kept for an admin (``"keep"``)
+        by the server; either way their access tokens stop working at once."""
+        if envs not in REVOKED_ENVS:
+            raise StoreError(f"revoke: envs={envs!r} (kill or keep)")
+        data = dict(self._file.read())
+        keys = dict(data.get("keys", {}))
+        if name not in keys:
+            raise StoreError(f"no key named {name!r} (see `weenv token ls`)", "key_not_found")
+        gone = _public(keys.pop(name))
+        revoked = dict(data.get("revoked", {}))
+        revoked[gone.id] = {"name": name, "revoked_s": time.time(), "envs": envs}
+        self._file.write({**data, "keys": keys, "revoked": revoked})
+        return gone
+
+    def revoked(self) -> dict[str, dict[str, Any]]:
+        """Revoked keys by id: ``{"name", "revoked_s", "envs": "kill" | "keep"}``."""
+        return dict(self._file.read().get("revoked", {}))
+
+    def live(self, key_id: str) -> ApiKey | None:
+        """The key with id ``key_id``, if it still exists."""
+        for rec in self._file.read().get("keys", {}).values():
+            if hmac.compare_digest(str(rec.get("id") or _legacy_id(rec)), key_id):
+                return _public(rec)
+        return None
 
     def verify(self, presented: str | None) -> ApiKey | None:
         """The key's record, or None for a missing or unknown key."""
@@ -161,7 +265,7 @@ class KeyStore:
         for rec in self._file.read().get("keys", {}).values():
             if hmac.compare_digest(digest, str(rec.get("sha256", ""))):
                 found = rec
-        return ApiKey({k: v for k, v in found.items() if k != "sha256"}) if found else None
+        return _public(found) if found else None
 
 
 class TemplateStore:
@@ -188,15 +292,30 @@ class TemplateStore:
     def get(self, name: str) -> dict[str, str] | None:
         return self._file.read().get(name)
 
+    def put(self, entries: dict[str, dict[str, Any]], *, drop: tuple[str, ...] | list[str] = ()) -> None:
+        """Aliases ``weenv serve`` makes (templates built through the E2B SDK: ``NAME`` or
+        ``NAME:TAG``, each entry naming its owner key), and ``drop`` removed, in one write."""
+        for name in entries:
+            base, _, tag = name.partition(":")
+            _check_name(base, "template")
+            if tag:
+                _check_name(tag, "tag")
+        data = {k: v for k, v in self._file.read().items() if k not in set(drop)}
+        self._file.write({**data, **entries})
+
     def list(self) -> dict[str, dict[str, str]]:
         return dict(self._file.read())
 
     def remove(self, name: str) -> None:
         data = dict(self._file.read())
         if name not in data:
-            raise StoreError(f"no template named {name!r} (see `weenv template ls`)")
+            raise StoreError(f"no template named {name!r} (see `weenv template ls`)", "template_not_found")
         del data[name]
         self._file.write(data)
+
+
+GONE_KEEP_S = 600.0
+GONE_KEEP_MAX = 2000
 
 
 class OwnerTable:
@@ -225,10 +344,27 @@ class OwnerTable:
             self.put_env(env_id, {**rec, **fields})
 
     def forget_envs(self, env_ids: list[str]) -> None:
+        """The envs are gone. Who owned each is kept a while (:meth:`gone`), so a token of a gone
+        env still names its owner: its calls answer "not running", not "wrong token"."""
         data = dict(self._file.read())
-        envs = {k: v for k, v in data.get("envs", {}).items() if k not in set(env_ids)}
-        if len(envs) != len(data.get("envs", {})):
-            self._file.write({**data, "envs": envs})
+        drop = set(env_ids)
+        old = data.get("envs", {})
+        envs = {k: v for k, v in old.items() if k not in drop}
+        if len(envs) != len(old):
+            now = time.time()
+            gone = {k: v for k, v in data.get("gone", {}).items() if now - float(v.get("gone_s", 0)) < GONE_KEEP_S}
+            for k in drop & set(old):
+                gone[k] = {f: old[k].get(f) for f in ("owner", "owner_id", "started_s")} | {"gone_s": now}
+            if len(gone) > GONE_KEEP_MAX:
+                gone = dict(sorted(gone.items(), key=lambda kv: kv[1]["gone_s"])[-GONE_KEEP_MAX:])
+            self._file.write({**data, "envs": envs, "gone": gone})
+
+    def gone(self, env_id: str) -> dict[str, Any] | None:
+        """What is kept of a gone env's record (its owner), for :data:`GONE_KEEP_S`."""
+        rec = self._file.read().get("gone", {}).get(env_id)
+        if rec is None or time.time() - float(rec.get("gone_s", 0)) >= GONE_KEEP_S:
+            return None
+        return dict(rec)
 
     def snapshots(self) -> dict[str, dict[str, Any]]:
         return dict(self._file.read().get("snapshots", {}))
@@ -246,6 +382,24 @@ class OwnerTable:
         snaps = dict(data.get("snapshots", {}))
         if snaps.pop(snap_id, None) is not None:
             self._file.write({**data, "snapshots": snaps})
+
+    def volumes(self) -> dict[str, dict[str, Any]]:
+        """Volumes made through the API (id -> owner, the E2B name, when)."""
+        return dict(self._file.read().get("volumes", {}))
+
+    def volume(self, vol_id: str) -> dict[str, Any] | None:
+        return self._file.read().get("volumes", {}).get(vol_id)
+
+    def put_volume(self, vol_id: str, record: dict[str, Any]) -> None:
+        data = dict(self._file.read())
+        data["volumes"] = {**data.get("volumes", {}), vol_id: record}
+        self._file.write(data)
+
+    def forget_volume(self, vol_id: str) -> None:
+        data = dict(self._file.read())
+        vols = dict(data.get("volumes", {}))
+        if vols.pop(vol_id, None) is not None:
+            self._file.write({**data, "volumes": vols})
 
 
 def _secret(directory: str | None = None) -> bytes:
@@ -268,29 +422,45 @@ def _secret(directory: str | None = None) -> bytes:
 
 
 class AccessTokens:
-    """Per-env access tokens: ``HMAC-SHA256(secret, env id)``, url-safe base64."""
+    """Per-env access and traffic tokens: ``HMAC-SHA256(secret, kind, env id, owner key id)``,
+    url-safe base64. A token names its env and the key that owns it: it stops working when that
+    key is revoked (the caller checks the owner is live, :meth:`OwnerTable.owner_id`), and a
+    token minted for one owner never works for an env another key owns."""
 
     def __init__(self, directory: str | None = None):
         self._key = _secret(directory)
 
-    def mint(self, env_id: str) -> str:
+    def _mac(self, kind: str, env_id: str, owner_id: str) -> str:
         import base64
 
-        mac = hmac.new(self._key, b"env-access:" + env_id.encode(), hashlib.sha256).digest()
-        return "wea_" + base64.urlsafe_b64encode(mac).decode().rstrip("=")
+        msg = f"{kind}:{len(env_id)}:{env_id}:{owner_id}".encode()
+        return base64.urlsafe_b64encode(hmac.new(self._key, msg, hashlib.sha256).digest()).decode().rstrip("=")
 
-    def verify(self, env_id: str, presented: str | None) -> bool:
-        return bool(presented) and hmac.compare_digest(self.mint(env_id), presented or "")
+    def mint(self, env_id: str, owner_id: str) -> str:
+        return "wea_" + self._mac("env-access", env_id, owner_id)
 
-    def mint_traffic(self, env_id: str) -> str:
-        """The token for the env's ports when it was made with public traffic off (E2B's
-        ``trafficAccessToken``, sent as ``e2b-traffic-access-token``): another key than the access
-        token's, so handing out a port URL's token opens no envd."""
-        import base64
+    def verify(self, env_id: str, owner_id: str, presented: str | None) -> bool:
+        return bool(presented) and hmac.compare_digest(self.mint(env_id, owner_id), presented or "")
 
-        mac = hmac.new(self._key, b"env-traffic:" + env_id.encode(), hashlib.sha256).digest()
-        return "wet_" + base64.urlsafe_b64encode(mac).decode().rstrip("=")
+    def sign(self, kind: str, subject: str, owner_id: str) -> str:
+        """An HMAC of ``subject`` for ``kind`` (another kind than the env tokens'): a signed upload URL."""
+        if kind in ("env-access", "env-traffic"):
+            raise ValueError(f"kind {kind!r} is the env tokens'")
+        return self._mac(kind, subject, owner_id)
 
-    def verify_traffic(self, env_id: str, presented: str | None) -> bool:
-        return bool(presented) and hmac.compare_digest(self.mint_traffic(env_id), presented or "")
+    def mint_traffic(self, env_id: str, owner_id: str) -> str:
+        """The token for the env's ports when they are not public (E2B's ``trafficAccessToken``,
+        sent as ``e2b-traffic-access-token``): another key than the access token's, so handing out
+        a port URL's token opens no envd."""
+        return "wet_" + self._mac("env-traffic", env_id, owner_id)
 
+    def verify_traffic(self, env_id: str, owner_id: str, presented: str | None) -> bool:
+        return bool(presented) and hmac.compare_digest(self.mint_traffic(env_id, owner_id), presented or "")
+
+    def mint_volume(self, vol_id: str, owner_id: str) -> str:
+        """A volume's content token (E2B's volume ``token``, sent as ``Authorization: Bearer``): its
+        volume's files only, for as long as the key that owns it lives."""
+        return "wev_" + self._mac("volume", vol_id, owner_id)
+
+    def verify_volume(self, vol_id: str, owner_id: str, presented: str | None) -> bool:
+        return bool(presented) and hmac.compare_digest(self.mint_volume(vol_id, owner_id), presented or "")

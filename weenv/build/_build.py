@@ -278,7 +278,7 @@ def run_steps(c: Client, steps: list[Step], *, start: dict[str, Any] | str, key:
         cached = cache.get(key)
         if cached is not None:
             try:
-                c._request("GET", f"/v1/snapshots/{cached}")
+                c.snapshot(cached)
                 current_snapshot = cached
                 results.append(StepResult(i, kind, True, time.perf_counter() - t0, cached))
                 say(f"step {i + 1}/{len(steps)} {kind}: cached ({cached})")
@@ -305,7 +305,7 @@ def run_steps(c: Client, steps: list[Step], *, start: dict[str, Any] | str, key:
                     target = dest if single and not dest.endswith("/") else os.path.join(dest, rel)
                     with open(host_path, "rb") as f:
                         env.write_file(target, f.read(), mode=step.copy.mode or mode, user=user)
-            current_snapshot = c._request("POST", f"/v1/envs/{env.id}/commit", json={}).json()["snapshot"]
+            current_snapshot = env.commit()
         finally:
             env.kill()
         cache.put(key, current_snapshot)
@@ -368,11 +368,11 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
         start: dict[str, Any] | str
         frm = spec.from_
         if frm.startswith("snap-"):
-            snap_info = c._request("GET", f"/v1/snapshots/{frm}").json()
+            snap_info = c.snapshot(frm)
             base_lock = None  # the snapshot's own lock, read at the end
-            check_group_placement(msgspec.convert(snap_info["lock"], Lock), spec.group, spec_path=spec_path, frm=frm)
+            check_group_placement(msgspec.convert(snap_info.lock, Lock), spec.group, spec_path=spec_path, frm=frm)
             start = frm
-            start_key = _sha("snapshot", frm, snap_info["layers"])
+            start_key = _sha("snapshot", frm, snap_info.layers)
         else:
             if frm.startswith("image:"):
                 from ..plan import Group, Plan
@@ -393,13 +393,13 @@ def build(spec_path: str, *, ref: str | None = None, lock_out: str | None = None
             raise BuildError(f"{spec_path}: no RUN or COPY step: nothing to seal into a group")
 
         # ---- squash the step layers into one group layer, publish, lock
-        snap = c._request("GET", f"/v1/snapshots/{done.snapshot}").json()
+        snap = c.snapshot(done.snapshot)
         if base_lock is None:  # FROM a snapshot: its plan lock is the base, its own layers get squashed too
-            base_lock = msgspec.convert(snap["lock"], Lock)
+            base_lock = msgspec.convert(snap.lock, Lock)
         target_ref = ref or f"{spec.group.name}:build"
         with tempfile.TemporaryDirectory(dir=tmp_dir()) as tmp:
             out_path = os.path.join(tmp, "group.weenv")
-            digest = squash_layers([x["digest"] for x in snap["layers"]], out_path, tmp)
+            digest = squash_layers([x["digest"] for x in snap.layers], out_path, tmp)
             pub = publish_layer_file(out_path, target_ref, group=spec.group.name, group_class=spec.group.group_class,
                                      digest=digest, source=f"weenv build {os.path.basename(spec_path)}")
         g = resolve_group(target_ref)

@@ -38,5 +38,6 @@ from . import _demo  # noqa: E402,F401
 from . import _serve  # noqa: E402,F401
 from . import _token  # noqa: E402,F401
 from . import _cluster  # noqa: E402,F401
+from . import _images  # noqa: E402,F401
 
 __all__ = ["main"]

@@ -49,7 +49,10 @@ SIZE = SizeParam()
 
 
 def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    """``data`` (builtins, or the client's ``_wire`` Structs) as indented JSON on stdout."""
+    import msgspec
+
+    sys.stdout.write(json.dumps(msgspec.to_builtins(data, enc_hook=str), indent=2, sort_keys=False, default=str) + "\n")
 
 
 def unsqueezed(table: Any, console: Console | None = None) -> Any:

@@ -110,7 +110,7 @@ def stop_cmd(kill_envs: bool, timeout_s: float) -> None:
         except WeenvError:
             envs = []
         try:
-            c._request("POST", "/v1/daemon/stop", json={"kill_envs": kill_envs})
+            c.stop_daemon(kill_envs=kill_envs)
         except ApiError as e:
             raise click.ClickException(f"the daemon refused to stop: {e}") from None
         except DaemonUnavailableError:

@@ -39,8 +39,8 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
 
 @main.group("daemon", invoke_without_command=True)
 @click.option("--envlet-cache-size", default="20GiB", show_default=True, help="Bound of the node disk chunk cache.")
-@click.option("--cgroup-root", default="weenv", show_default=True,
-              help="Name of weenv's parent cgroup (created under this process's own cgroup).")
+@click.option("--cgroup-root", default="weenv", show_default=True, envvar="WEENV_CGROUP_ROOT",
+              help="Name of weenv's parent cgroup (created under this process's own cgroup; $WEENV_CGROUP_ROOT).")
 @click.option("--monitor-interval-ms", type=click.IntRange(10, 60_000), default=200, show_default=True,
               help="Elastic monitor tick.")
 @click.option("--monitor-offload", type=click.Choice(["apply", "all"]), default="apply", show_default=True,
@@ -101,6 +101,10 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
                    "(docs/security.md); --no-userns: env root is host root [default: on, or $WEENV_USERNS=0/1].")
 @click.option("--userns-base", type=click.IntRange(65536, 2**32 - 1 - 65536), default=None, metavar="UID",
               help="First host uid of the envs' id range (65536 ids) [default: 1073741824].")
+@click.option("--park-after", "park_after_s", type=click.FloatRange(0), default=None, metavar="SECONDS",
+              help="Park a paused (frozen) gVisor env once it stayed paused this long: its memory is checkpointed "
+                   "to disk and freed, resume restores it; a pause may say otherwise (crun envs stay frozen) "
+                   "[default: off, or $WEENV_PARK_AFTER_S].")
 @click.option("--debug", is_flag=True)
 @click.pass_context
 def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, monitor_interval_ms: int, monitor_offload: str,
@@ -112,14 +116,14 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0,
                node_name: str | None = None, default_runtime: str | None = None, userns: bool | None = None,
                userns_base: int | None = None, envlet_peer_listen: str | None = None,
-               cluster_token_file: str | None = None) -> None:
+               cluster_token_file: str | None = None, park_after_s: float | None = None) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
     `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
     """
     if ctx.invoked_subcommand is not None:
         given = [p.opts[0] for p in ctx.command.params
-                 if ctx.get_parameter_source(p.name) is not click.core.ParameterSource.DEFAULT]  # type: ignore[arg-type]
+                 if ctx.get_parameter_source(p.name) is click.core.ParameterSource.COMMANDLINE]  # type: ignore[arg-type]
         if given:
             raise click.UsageError(f"{', '.join(given)} configure a running daemon, not "
                                    f"`weenv daemon {ctx.invoked_subcommand}`")
@@ -144,6 +148,8 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
         config.layer_trees_after = layer_trees_after
     if layer_trees_size is not None:
         config.layer_trees_size_bytes = layer_trees_size
+    if park_after_s is not None:
+        config.park_after_s = park_after_s
     from ..net._egress import check_table_name
     from ..net._policy import parse_range
 
@@ -200,7 +206,7 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
 @_api_errors
 def up_cmd(plan: str, name: str | None, ttl_s: float | None, cpu: str | None, memory: str | None,
            as_json: bool) -> None:
-    """Start an env from PLAN: a plan, a lock or a snapshot id."""
+    """Start an env from PLAN: a plan, a lock, a snapshot id or an image (REF, oci:DIR[:TAG], docker-archive:FILE)."""
     t0 = time.perf_counter()
     with _client() as c:
         env = c.create(plan, name=name, ttl_s=ttl_s, cpu=cpu, memory=memory)
@@ -263,6 +269,21 @@ def ps_cmd(as_json: bool) -> None:
     stdout.print(ps_table(envs, time.time()))
 
 
+def status_text(e: dict[str, Any], now: float) -> str:
+    """An env's status as ``ps`` shows it: a paused env says whether it is parked (its memory on
+    disk), when it will be, or why it stays frozen (docs/snapshots.md, "Park after N seconds paused")."""
+    if e["status"] != "paused":
+        return str(e["status"])
+    if e.get("parked"):
+        return "parked"
+    if e.get("park_at_s") is not None:
+        return f"paused, parks in {max(0.0, e['park_at_s'] - now):.0f}s"
+    why = e.get("not_parked_because") or ""
+    if why.startswith("its park failed"):
+        return "paused, park failed"
+    return "paused, frozen" if why else "paused"
+
+
 def ps_table(envs: list[dict[str, Any]], now: float) -> Any:
     """One row per env; ids and sizes are never cut or wrapped (see ``unsqueezed``)."""
     from rich.table import Table
@@ -276,7 +297,7 @@ def ps_table(envs: list[dict[str, Any]], now: float) -> Any:
         res = e.get("resources") or {}
         cpu = (res.get("cpu") or {}).get("quota_cores")
         mem = res.get("memory") or {}
-        t.add_row(e["id"], e["status"], ",".join(g or "" for g in e.get("groups", [])),
+        t.add_row(e["id"], status_text(e, now), ",".join(g or "" for g in e.get("groups", [])),
                   f"{cpu:.2f}" if cpu else "-",
                   f"{human_bytes(mem.get('used_bytes') or 0)} / {human_bytes(mem['limit_bytes'])}"
                   if mem.get("limit_bytes") else "-", f"{now - e['created_s']:.0f}s")
@@ -294,8 +315,30 @@ def _simple(name: str, past: str, help_text: str) -> None:
                 stdout.print(f"{env_id}  {past}")
 
 
-_simple("pause", "paused", "Freeze every process of the env (its memory stays).")
-_simple("resume", "resumed", "Thaw a paused env.")
+@main.command("pause")
+@click.argument("env_ids", nargs=-1, required=True)
+@click.option("--park-after", "park_after_s", type=click.FloatRange(0), default=None, metavar="SECONDS",
+              help="Park it once it stayed paused this long (gVisor envs: its memory checkpointed to disk and "
+                   "freed) [default: the daemon's --park-after].")
+@_api_errors
+def pause_cmd(env_ids: tuple[str, ...], park_after_s: float | None) -> None:
+    """Freeze every process of the env (its memory stays)."""
+    with _client() as c:
+        for env_id in env_ids:
+            c.get(env_id).pause(park_after_s=park_after_s)
+            stdout.print(f"{env_id}  paused")
+_simple("resume", "resumed", "Thaw a paused env (a parked one: restore its processes).")
+
+
+@main.command("park")
+@click.argument("env_ids", nargs=-1, required=True)
+@_api_errors
+def park_cmd(env_ids: tuple[str, ...]) -> None:
+    """Pause envs and free their memory: their processes are checkpointed to disk (gVisor envs); resume restores them."""
+    with _client() as c:
+        for env_id in env_ids:
+            c.env(env_id).pause(memory="park")
+            stdout.print(f"{env_id}  parked")
 
 
 @main.command("kill")
@@ -308,7 +351,7 @@ def kill_cmd(env_ids: tuple[str, ...]) -> None:
     with _client() as c:
         for env_id in env_ids:
             try:
-                c._request("DELETE", f"/v1/envs/{env_id}")
+                c.kill(env_id)
             except EnvNotFoundError as e:
                 raise click.ClickException(str(e)) from None
             stdout.print(f"{env_id}  killed")
@@ -384,32 +427,34 @@ def gc_cmd(as_json: bool) -> None:
 @main.command("commit")
 @click.argument("env_id")
 @click.option("--ref", help="Also publish the sealed layer as a task group at REF.")
+@click.option("--memory", is_flag=True, help="Also checkpoint its processes (gVisor envs): envs from it resume them.")
 @click.option("--json", "as_json", is_flag=True)
 @_api_errors
-def commit_cmd(env_id: str, ref: str | None, as_json: bool) -> None:
-    """Seal ENV_ID's filesystem into a snapshot (the env keeps running)."""
+def commit_cmd(env_id: str, ref: str | None, memory: bool, as_json: bool) -> None:
+    """Seal ENV_ID's filesystem (and with --memory its processes) into a snapshot (the env keeps running)."""
     with _client() as c:
-        info = c._request("POST", f"/v1/envs/{env_id}/commit", json={"ref": ref}).json()
+        info = c.commit(env_id, ref=ref, memory=memory)
     if as_json:
         print_json(info)
     else:
-        stdout.print(f"{info['snapshot']}  ({human_bytes(info['diff_bytes'])} of changes)")
+        stdout.print(f"{info.snapshot}  ({human_bytes(info.diff_bytes)} of changes)")
 
 
 @main.command("fork")
 @click.argument("env_id")
 @click.option("-n", "n", type=click.IntRange(1, 1024), default=1, show_default=True)
+@click.option("--memory", is_flag=True, help="The children continue ENV_ID's processes from one instant (gVisor envs).")
 @click.option("--json", "as_json", is_flag=True)
 @_api_errors
-def fork_cmd(env_id: str, n: int, as_json: bool) -> None:
+def fork_cmd(env_id: str, n: int, memory: bool, as_json: bool) -> None:
     """Commit ENV_ID once and start N independent children from that state."""
     with _client() as c:
-        data = c._request("POST", f"/v1/envs/{env_id}/fork", json={"n": n}).json()
+        data = c.fork(env_id, n, memory=memory)
     if as_json:
-        print_json([{"id": e["id"], **e} for e in data["envs"]])
+        print_json(data.envs)
     else:
-        for e in data["envs"]:
-            stdout.print(e["id"])
+        for e in data.envs:
+            stdout.print(e.id)
 
 
 @main.group("snapshot")
@@ -442,16 +487,54 @@ def snapshot_rm(snapshot_ids: tuple[str, ...]) -> None:
 
 
 @main.command("build")
-@click.argument("spec", type=click.Path(exists=True, dir_okay=False))
-@click.option("--ref", help="Publish the result here (default: GROUP:build in the embedded store).")
-@click.option("--lock-out", type=click.Path(dir_okay=False), help="Write the plan lock here (default: SPEC.lock.toml).")
+@click.argument("spec", metavar="SPEC-OR-CONTEXT", required=False, type=click.Path(exists=True))
+@click.option("-f", "--file", "dockerfile", type=click.Path(exists=True, dir_okay=False),
+              help="A Dockerfile: build it over the context SPEC-OR-CONTEXT (default: CONTEXT/Dockerfile).")
+@click.option("--build-arg", "build_args", multiple=True, metavar="NAME=VALUE", help="A Dockerfile ARG (repeatable).")
+@click.option("--target", help="Build the Dockerfile up to this stage.")
+@click.option("--network", type=click.Choice(["none", "loopback", "host"]),
+              help="The network of RUN steps (default: the base's; host lets them download).")
+@click.option("--store", metavar="HOST[:PORT]/PREFIX", help="Where built layers and converted images go "
+              "(default $WEENV_IMAGE_STORE, else the embedded store).")
+@click.option("--squash", is_flag=True, help="One group of every built layer (Dockerfile builds).")
+@click.option("--class", "group_class", type=click.Choice(["os", "toolchain", "harness", "evaluator", "task"]),
+              default="task", show_default=True, help="Class of the built groups (Dockerfile builds).")
+@click.option("--name", help="The lock's plan name (Dockerfile builds; default: the context's name).")
+@click.option("--ref", help="Build specs: publish the result here (default: GROUP:build in the embedded store).")
+@click.option("-o", "--lock-out", "lock_out", type=click.Path(dir_okay=False),
+              help="Write the plan lock here (default: SPEC.lock.toml, or NAME.lock.toml beside the Dockerfile).")
 @click.option("--json", "as_json", is_flag=True)
 @_api_errors
-def build_cmd(spec: str, ref: str | None, lock_out: str | None, as_json: bool) -> None:
-    """Build a group from FROM + steps (RUN, COPY, ENV, WORKDIR, USER), with a step cache."""
+def build_cmd(spec: str | None, dockerfile: str | None, build_args: tuple[str, ...], target: str | None,
+              network: str | None, store: str | None, squash: bool, group_class: str, name: str | None,
+              ref: str | None, lock_out: str | None, as_json: bool) -> None:
+    """Build a lock from a Dockerfile (-f, or a context directory holding one), or a group from a
+    build spec (FROM + RUN / COPY / ENV / WORKDIR / USER steps). Unchanged steps come from the cache."""
+    log = None if as_json else (lambda msg: stdout.print(msg))
+    if dockerfile or (spec is not None and os.path.isdir(spec)) or spec is None:
+        from ..build import build_dockerfile
+
+        context = spec or "."
+        dockerfile = dockerfile or os.path.join(context, "Dockerfile")
+        if not os.path.isfile(dockerfile):
+            raise click.UsageError(f"no Dockerfile at {dockerfile} (give -f FILE)")
+        args = {}
+        for item in build_args:
+            k, eq, v = item.partition("=")
+            if not eq:
+                v = os.environ.get(k, "")  # as docker: --build-arg NAME takes NAME from the environment
+            args[k] = v
+        res = build_dockerfile(dockerfile, context, output=lock_out, name=name, build_args=args, target=target,
+                               network=network, store=store, squash=squash, group_class=group_class, log=log)
+        if as_json:
+            print_json(res.to_json())
+        else:
+            cached = sum(1 for s in res.steps if s.cached)
+            stdout.print(f"lock: {res.lock_path} ({len(res.groups)} built groups, {cached}/{len(res.steps)} steps "
+                         f"cached, {res.uploaded_bytes} bytes uploaded, {res.seconds:.1f}s)")
+        return
     from ..build import build
 
-    log = None if as_json else (lambda msg: stdout.print(msg))
     result = build(spec, ref=ref, lock_out=lock_out, log=log)
     if as_json:
         print_json(result.to_json())

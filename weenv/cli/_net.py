@@ -39,10 +39,9 @@ def net_cmd(env_id: str, allow: tuple[str, ...], deny: tuple[str, ...], remove: 
     policy of the running env (new connections follow it at once; docs/network.md)."""
     with _client(autostart=False) as c:
         if allow or deny or remove:
-            info = c._request("POST", f"/v1/envs/{env_id}/network",
-                              json={"allow": list(allow), "deny": list(deny), "remove": list(remove)}).json()
+            info = c.env(env_id).set_network(allow=list(allow), deny=list(deny), remove=list(remove))
         else:
-            info = c._request("GET", f"/v1/envs/{env_id}/network").json()
+            info = c.env(env_id).network()
     if as_json:
         print_json(info)
     else:

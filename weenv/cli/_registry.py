@@ -9,11 +9,19 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from .. import layerfmt, registry
-from ._common import errors_to_exit, human_bytes, print_json, stderr, stdout
 from . import main
+from ._common import errors_to_exit, human_bytes, print_json, stderr, stdout
 
 _EXPECTED = (registry.RegistryError, layerfmt.LayerError, OSError)
 
@@ -69,13 +77,56 @@ def publish_cmd(src: str, ref: str, group: str | None, group_class: str, source:
 
 @main.command("pull")
 @click.argument("image")
-@click.option("--name", help="REF to store the group(s) at (default: the image's name in the embedded store).")
+@click.option("-o", "--output", "lock_path", type=click.Path(dir_okay=False), metavar="LOCK",
+              help="Write the image's lock (TOML, or JSON for *.json) for review; `weenv up LOCK` starts it.")
+@click.option("--squash", is_flag=True, help="Merge every layer into one os group (shares nothing with other images).")
 @click.option("--groups", "groups", metavar="SPEC",
-              help="Map layer ranges (0-based, inclusive) to groups: os=0-3,toolchain=4-5,harness:harness=6-")
-@click.option("--json", "as_json", is_flag=True, help="Print the groups as JSON.")
+              help="Merge layer ranges (0-based, inclusive) into groups: os=0-3,toolchain=4-5,harness:harness=6-")
+@click.option("--name", help="With --squash / --groups: the REF to store the group(s) at.")
+@click.option("--store", metavar="HOST[:PORT]/PREFIX", help=(
+    "Where per-layer groups go: a registry the cluster's nodes read (default $WEENV_IMAGE_STORE, else the "
+    "embedded store)."))
+@click.option("--json", "as_json", is_flag=True, help="Print the layers (or groups) as JSON.")
 @errors_to_exit(*_EXPECTED)
-def pull_cmd(image: str, name: str | None, groups: str | None, as_json: bool) -> None:
-    """Import an OCI image (registry REF, oci:DIR[:TAG], docker-archive:FILE) as weenv layer groups."""
+def pull_cmd(image: str, lock_path: str | None, squash: bool, groups: str | None, name: str | None,
+             store: str | None, as_json: bool) -> None:
+    """Import an OCI image (registry REF, oci:DIR[:TAG], docker-archive:FILE) as weenv layer groups.
+
+    By default each image layer becomes its own group, tagged by its diff id, so images that share
+    a base share its groups and a second pull converts nothing it already has."""
+    if squash and groups:
+        raise click.UsageError("give one of --squash and --groups")
+    if name and not (squash or groups):
+        raise click.UsageError("--name names the squashed group(s): use it with --squash or --groups "
+                               "(per-layer groups are tagged by their diff ids)")
+    if squash or groups:
+        if lock_path or store:
+            raise click.UsageError("-o and --store apply to per-layer pulls (without --squash / --groups)")
+        _pull_merged(image, name, groups, as_json)
+        return
+    from ..registry._convert import store_base
+
+    with _progress(not as_json) as update:
+        converted = registry.convert_image(image, base=store_base(store), progress=update)
+    lock = registry.image_lock(converted)
+    if lock_path:
+        from .. import plan as planmod
+
+        planmod.write_plan(lock, lock_path)
+    if as_json:
+        print_json({"image": converted.image, "plan": lock.name, "lock": lock_path,
+                    "layers": [{"index": x.index, "diff_id": x.diff_id, "ref": x.ref,
+                                "manifest_digest": x.group.manifest_digest, "size": x.group.layer_size,
+                                "converted": x.converted, "bytes_read": x.bytes_read} for x in converted.layers]})
+        return
+    for x in converted.layers:
+        what = "converted" if x.converted else "had it"
+        stdout.print(f"  layer {x.index} {x.diff_id[:19]}… → [bold]{x.ref}[/] ({human_bytes(x.group.layer_size)}, {what})")
+    stdout.print(f"{converted.converted} of {len(converted.layers)} layers converted"
+                 + (f"; lock written to {lock_path}" if lock_path else ""))
+
+
+def _pull_merged(image: str, name: str | None, groups: str | None, as_json: bool) -> None:
     with _progress(not as_json) as update:
         res = registry.pull(image, name=name, groups=groups, progress=update)
     if as_json:

@@ -35,7 +35,7 @@ import msgspec
 from .. import _home
 from .._atomic import atomic_writer
 from ._errors import ClusterAuthError, ClusterError
-from ._report import Capacity, LayerHeld, NodeReport, capacity_from_top, envs_from, snapshots_from
+from ._report import Capacity, LayerHeld, NodeReport, capacity_from_top, envs_from, snapshots_from, volumes_from
 
 log = logging.getLogger("weenv.cluster")
 
@@ -93,6 +93,7 @@ class NodeAgent:
         self._seq = 0
         self._report: NodeReport | None = None
         self._stop = threading.Event()
+        self._down = ""  # why the node was taken down (stop); from then on its report says so and stays
         self.daemon_pid = 0
         self.started_daemon = False
         self._daemon_proc: subprocess.Popen[bytes] | None = None
@@ -196,7 +197,7 @@ class NodeAgent:
         problem = ""
         healthy = True
         capacity = Capacity(cpu_cores=0.0, memory_total_bytes=0, memory_guaranteed_bytes=0, memory_headroom_bytes=0)
-        envs, snaps = [], []
+        envs, snaps, vols = [], [], []
         layers: dict[str, LayerHeld] = {}
         l2_capacity = None
         fetched = 0
@@ -209,6 +210,7 @@ class NodeAgent:
             published = self._published()  # what this node pushed to the cluster's store
             snaps = [msgspec.structs.replace(x, ref=published[x.id]) if x.ref is None and x.id in published else x
                      for x in snapshots_from(self._get("/v1/snapshots"))]
+            vols = volumes_from(self._get("/v1/volumes"))  # node-local: creates that mount one are pinned here
             # the env count placement weighs (rule 5): envs that run or will, not pooled, stopping or failed ones
             capacity = capacity_from_top(top, envs=sum(e.status in _COUNTED for e in envs), live={e.id for e in envs})
         except (httpx.HTTPError, ValueError, KeyError, ClusterError) as e:
@@ -240,40 +242,44 @@ class NodeAgent:
                     break
             layers.setdefault(digest, LayerHeld(digest=digest, size_bytes=size, where="seen"))
         with self._lock:
+            if self._down:
+                return  # taken down while this round ran: the down report stays the last one
             self._seq += 1
             self._report = NodeReport(
                 node=self.node, ray_node_id=self.ray_node_id, seq=self._seq, taken_s=time.time(), healthy=healthy,
                 accepting=healthy, problem=problem, home=self.home, daemon_address=self.api_url,
                 daemon_pid=self.daemon_pid, node_api=self.node_api.url if self.node_api is not None else "",
                 store_bytes_fetched=fetched, peer_address=peer_address, capacity=capacity,
-                layers=list(layers.values()), snapshots=snaps, envs=envs)
+                layers=list(layers.values()), snapshots=snaps, envs=envs, volumes=vols)
 
     # ------------------------------------------------------------------ calls (all but hello need the token)
 
-    def _check(self, token: str | None) -> None:
+    def _check(self, token: str | None, *, down_ok: bool = False) -> None:
+        """The token check of every call but hello; and, unless ``down_ok``, that the node is not down."""
         want = self._token
         got = token_digest(token)
-        if want is None:
-            return  # an open agent: only when neither the node nor its creator set a token
-        if got is None or not hmac.compare_digest(want, got):
+        # want None: an open agent, only when neither the node nor its creator set a token
+        if want is not None and (got is None or not hmac.compare_digest(want, got)):
             raise ClusterAuthError(f"node {self.node}: a call without the right cluster token was refused")
+        if self._down and not down_ok:
+            raise ClusterError(f"node {self.node} was taken down ({self._down}): restart Ray on it to bring it back")
 
     def hello(self) -> dict[str, Any]:
         """Who this agent is (no token needed: it says nothing about envs)."""
         return {"node": self.node, "ray_node_id": self.ray_node_id, "home": self.home, "pid": os.getpid(),
                 "cgroup_root": self.cgroup_root, "started_daemon": self.started_daemon,
                 "daemon_pid": self.daemon_pid, "token_required": self._token is not None,
-                "node_api": self.node_api.url if self.node_api is not None else ""}
+                "node_api": self.node_api.url if self.node_api is not None else "", "down": self._down}
 
     def report(self, token: str | None) -> NodeReport:
-        self._check(token)
+        self._check(token, down_ok=True)  # a down node's last report says it is down
         with self._lock:
             assert self._report is not None
             return self._report
 
     def refresh(self, token: str | None) -> NodeReport:
         """A report taken now (the gateway asks after a create it sent straight to the daemon)."""
-        self._check(token)
+        self._check(token, down_ok=True)
         self._refresh()
         return self.report(token)
 
@@ -287,7 +293,7 @@ class NodeAgent:
 
     def set_peer_serving(self, token: str | None, enabled: bool) -> dict[str, Any]:
         """Start or stop serving chunks to peers (False: the node is drained or lost)."""
-        self._check(token)
+        self._check(token, down_ok=True)  # a lost node's envlet, if it still runs, stops serving
         from ..envlet import EnvletClient
 
         return EnvletClient(os.path.join(self.home, "run", "envlet.sock")).set_peer_serving(enabled)
@@ -301,11 +307,9 @@ class NodeAgent:
         timeout = httpx.Timeout(timeout_s or 300.0, connect=5.0)
         resp = self._http.request(method, path, json=json_body, content=content, params=params, timeout=timeout)
         if method == "POST" and path == "/v1/envs" and resp.status_code == 201 and isinstance(json_body, dict):
-            groups = (json_body.get("plan") or {}).get("groups") or []
-            self._note_layers([(g["layer_digest"], int(g["layer_size"])) for g in groups
-                               if isinstance(g, dict) and "layer_digest" in g])
-        changes = ((method == "POST" and (path == "/v1/envs" or path.endswith(("/fork", "/commit"))))
-                   or (method == "DELETE" and path.startswith("/v1/envs/") and path.count("/") == 3))
+            self._note_layers(_lock_layers(json_body.get("plan")))
+        changes = ((method == "POST" and (path in ("/v1/envs", "/v1/volumes") or path.endswith(("/fork", "/commit"))))
+                   or (method == "DELETE" and path.startswith(("/v1/envs/", "/v1/volumes/")) and path.count("/") == 3))
         if resp.status_code < 300 and changes:
             # what placement reads changed (an env more or less): the next report says so at once
             try:
@@ -340,21 +344,125 @@ class NodeAgent:
         except (OSError, ValueError):
             return {}
 
-    def stop(self, token: str | None, *, stop_daemon: bool = False, kill_envs: bool = False) -> dict[str, Any]:
-        """Stop reporting; with ``stop_daemon`` also stop the daemon (its envs too with ``kill_envs``)."""
-        self._check(token)
+    def stop(self, token: str | None, *, stop_daemon: bool = False, kill_envs: bool = False, timeout_s: float = 60.0,
+             reason: str = "") -> dict[str, Any]:
+        """Take the node out of the cluster (``weenv cluster stop-node``; docs/cluster.md, "Taking a
+        node down"). Its reports stop and its node API closes; its last report says it is down
+        (``NodeReport.down``), so every cluster client, a gateway too, marks it lost at its next poll,
+        and every call but ``hello``, ``report`` and ``set_peer_serving`` is refused from then on.
+
+        ``stop_daemon``: stop the node's daemon as ``weenv daemon stop`` does, waiting (``timeout_s``)
+        for it to exit; ``kill_envs``: its envs first, then its envlet stops too (a daemon already
+        stopped that left envs running is started again to kill them). Without ``kill_envs`` the envs
+        run on, lost to the cluster: a daemon started later on the node re-adopts them.
+
+        The agent itself stays, down: a new cluster client finds it (get-or-create) and marks the node
+        lost, where a new agent would start the daemon again. Restarting Ray on the node brings it
+        back as a new node (a new agent, which starts the daemon)."""
+        self._check(token, down_ok=True)  # again on a down node: e.g. --kill-envs after --keep-envs
+        with self._lock:
+            envs = list(self._report.envs) if self._report is not None else []
+            what = reason or "weenv cluster stop-node"
+            self._down = what + (": stopping its daemon" if stop_daemon else "")
+            self._set_down_report(envs, "taken down: " + self._down)
         self._stop.set()
         if self.node_api is not None:
             self.node_api.stop()
-        if stop_daemon:
+        answer: dict[str, Any] = {"node": self.node, "home": self.home, "ray_node_id": self.ray_node_id,
+                                  "down": True, "daemon_stopped": False, "daemon_pid": self.daemon_pid}
+        try:
+            if stop_daemon:
+                answer.update(self._stop_daemon(kill_envs, timeout_s))
+        finally:
+            with self._lock:
+                if stop_daemon and answer["daemon_stopped"]:
+                    self._down = f"{what}: daemon stopped, envs {'killed' if kill_envs else 'left running'}"
+                elif stop_daemon:
+                    self._down = f"{what}: its daemon did not stop"
+                else:
+                    self._down = f"{what}: its daemon and envs left running"
+                self._set_down_report(envs, "taken down: " + self._down)
+        log.info("node %s: %s", self.node, self._down)
+        return answer
+
+    def _set_down_report(self, envs: list[Any], problem: str) -> None:
+        """The node's last report (with the lock held): down, not healthy, taking nothing, with the envs
+        it reported before (the cluster hands them to its lost-envs listeners)."""
+        base = self._report or NodeReport(node=self.node, capacity=Capacity(
+            cpu_cores=0.0, memory_total_bytes=0, memory_guaranteed_bytes=0, memory_headroom_bytes=0))
+        self._seq += 1
+        self._report = msgspec.structs.replace(base, seq=self._seq, taken_s=time.time(), healthy=False, accepting=False,
+                                               problem=problem, down=self._down, node_api="", peer_address="",
+                                               envs=envs)
+
+    def _envlet_pid(self) -> int | None:
+        from ..envlet import EnvletClient, EnvletError
+
+        try:
+            return int(EnvletClient(os.path.join(self.home, "run", "envlet.sock")).ping(timeout_s=2.0)["pid"])
+        except (EnvletError, KeyError, TypeError, ValueError):
+            return None
+
+    def _stop_daemon(self, kill_envs: bool, timeout_s: float) -> dict[str, Any]:
+        """``weenv daemon stop [--kill-envs]`` on this node's home (weenv/cli/_daemonctl.py), from here:
+        the daemon this agent would start is the one to re-adopt envs a stopped daemon left."""
+        from .._proc import wait_gone
+
+        ping = self._ping()
+        if ping is None and kill_envs and (self._envlet_pid() is not None or _listdir(os.path.join(self.home, "envs"))):
+            log.info("node %s: its daemon is not running but envs are left: starting it to kill them", self.node)
+            self._ensure_daemon(timeout_s)  # it re-adopts them, then stops with them
+            ping = self._ping()
+        out: dict[str, Any] = {"daemon_stopped": ping is None, "daemon_was_running": ping is not None, "envs": [],
+                               "envs_killed": kill_envs}
+        if ping is not None:
+            pid = int(ping["pid"])
+            out["daemon_pid"] = pid
             try:
-                self._http.post("/v1/daemon/stop", json={"kill_envs": kill_envs}, timeout=30.0)
-            except httpx.HTTPError as e:
-                return {"node": self.node, "stopped": False, "error": str(e)}
-        return {"node": self.node, "stopped": True, "daemon_pid": self.daemon_pid}
+                out["envs"] = [e["id"] for e in self._get("/v1/envs")]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass
+            try:
+                resp = self._http.post("/v1/daemon/stop", json={"kill_envs": kill_envs}, timeout=timeout_s)
+                if resp.status_code >= 400:
+                    raise ClusterError(f"node {self.node}: its daemon refused to stop: {resp.text[:500]}")
+            except httpx.HTTPError:
+                pass  # it went away before its answer reached us: what was asked
+            if not wait_gone(pid, timeout_s):
+                raise ClusterError(f"node {self.node}: its daemon (pid {pid}) still runs {timeout_s:g} s after it was "
+                                   f"asked to stop; see {os.path.join(self.home, 'cluster-daemon.log')}")
+            out["daemon_stopped"] = True
+        envlet = self._envlet_pid()
+        if envlet is not None and kill_envs:
+            wait_gone(envlet, min(timeout_s, 15.0))  # it stops once the daemon's envs are gone
+            envlet = self._envlet_pid()
+        out["envlet_pid"] = envlet  # None: stopped (its layers unmounted)
+        out["envs_left"] = _listdir(os.path.join(self.home, "envs"))
+        return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
 
 
 _COUNTED = frozenset({"creating", "running", "paused"})
+
+
+def _lock_layers(plan: Any) -> list[tuple[str, int]]:
+    """The (digest, size) of a create body's plan lock, as the plan codec reads it (none for a plan
+    or a lock it refuses: the daemon that admitted the create read it the same way)."""
+    from ..plan import Lock, PlanError, plan_from_builtins
+
+    if not isinstance(plan, dict) or "lock_version" not in plan:
+        return []
+    try:
+        lock = plan_from_builtins(plan, Lock, source="the create's plan lock")
+    except PlanError:
+        return []
+    return [(g.layer_digest, g.layer_size) for g in lock.groups]
 
 
 def _trees(root: str) -> list[tuple[str, int]]:
@@ -379,12 +487,13 @@ def _trees(root: str) -> list[tuple[str, int]]:
 
 def publish_snapshot(detail: dict[str, Any], repo: str, *, home: str, node: str) -> dict[str, Any]:
     """Publish a snapshot (``GET /v1/snapshots/{id}``'s answer, its layers in ``home``'s embedded store)."""
-    from ..plan import Lock, plan_from_builtins
+    from ..plan import Lock, plan_from_builtins, plan_to_builtins
     from ..registry import LayoutStore, parse_ref, publish_layer_file
 
     snap_id = detail["id"]
-    lock = dict(detail["lock"])
-    local = [g.get("name") for g in lock.get("groups", []) if not g.get("registry")]
+    # the lock as the plan codec reads it (sizes in bytes, every default explicit)
+    lock = plan_to_builtins(plan_from_builtins(detail["lock"], Lock, source=f"snapshot {snap_id} on node {node}"))
+    local = [g["name"] for g in lock["groups"] if not g.get("registry")]
     if local:
         raise ClusterError(f"snapshot {snap_id} on node {node}: its plan's groups {local} live in the node's "
                            f"embedded store; publish the plan's groups to a registry so other nodes can read them")

@@ -19,7 +19,16 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ._cluster import Cluster, ClusterEnv
-from ._errors import AgentError, ClusterError, EnvLostError, NodeLostError, PlacementError, UnknownEnvError
+from ._errors import (
+    AgentError,
+    ClusterError,
+    EnvLostError,
+    NodeLostError,
+    PlacementError,
+    UnknownEnvError,
+    VolumeConflictError,
+    VolumeNotFoundError,
+)
 
 T = TypeVar("T")
 
@@ -35,6 +44,10 @@ def _as_client_errors() -> Iterator[None]:
     except AgentError as e:
         cls = weenv.EnvNotFoundError if e.kind == "env_not_found" else weenv.ApiError
         raise cls(e.status, e.kind, e.message) from e
+    except VolumeConflictError as e:  # volumes of two nodes (volumes are node-local), a name taken
+        raise weenv.ApiError(409, "volume_conflict", str(e)) from e
+    except VolumeNotFoundError as e:
+        raise weenv.ApiError(404, "volume_not_found", str(e)) from e
     except PlacementError as e:
         raise weenv.ApiError(503, "not_admitted", str(e)) from e
     except UnknownEnvError as e:
@@ -92,10 +105,11 @@ class AsyncClusterClient:
     async def create(self, plan_or_snapshot: Any, *, name: str | None = None, ttl_s: float | None = None,
                      cpu: str | float | None = None, memory: str | int | None = None,
                      env: dict[str, str] | None = None, workdir: str | None = None,
-                     user: str | None = None) -> AsyncClusterEnv:
+                     user: str | None = None, volumes: list[dict[str, Any]] | None = None) -> AsyncClusterEnv:
+        """``volumes``: ``[[volumes]]`` tables mounted beside the plan's (the env starts on their node)."""
         overrides = {k: v for k, v in dict(name=name, ttl_s=ttl_s, cpu=None if cpu is None else str(cpu),
                                            memory=None if memory is None else str(memory), env=env,
-                                           workdir=workdir, user=user).items() if v is not None}
+                                           workdir=workdir, user=user, volumes=volumes).items() if v is not None}
         src = str(plan_or_snapshot) if not isinstance(plan_or_snapshot, dict) else None
         if src is not None and (src.startswith("snap-") or (":snap-" in src and "/" in src)):
             made = await _run(self.cluster.create, snapshot=src, overrides=overrides or None)
@@ -105,6 +119,27 @@ class AsyncClusterClient:
 
     async def delete_snapshot(self, snapshot: str) -> None:
         await _run(self.cluster.delete_snapshot, snapshot)
+
+    # volumes: node-local; each call goes to the volume's node (weenv/cluster/_volumes.py)
+
+    async def create_volume(self, name: str | None = None, *, size_bytes: int | None = None,
+                            node: str | None = None) -> dict[str, Any]:
+        return await _run(self.cluster.create_volume, name, size_bytes=size_bytes, node=node)
+
+    async def volumes(self) -> list[dict[str, Any]]:
+        return await _run(self.cluster.volumes)
+
+    async def volume(self, ref: str) -> dict[str, Any]:
+        return await _run(self.cluster.volume, ref)
+
+    async def delete_volume(self, ref: str) -> None:
+        await _run(self.cluster.delete_volume, ref)
+
+    async def read_volume_file(self, ref: str, path: str) -> bytes:
+        return await _run(self.cluster.read_volume_file, ref, path)
+
+    async def write_volume_file(self, ref: str, path: str, data: bytes | str, *, mode: int | None = None) -> Any:
+        return await _run(self.cluster.write_volume_file, ref, path, data, mode=mode)
 
     async def aclose(self) -> None:
         pass  # the cluster is the caller's (it outlives one event loop's client)

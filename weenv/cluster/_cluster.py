@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import msgspec
-
-from ._agent import AGENT_NAMESPACE, agent_class, agent_name, load_published, token_digest
+from ..plan import DEFAULT_CPU_MIN_CORES, DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MIN_BYTES
+from ..registry import is_image_ref
+from ._agent import AGENT_NAMESPACE, agent_class, agent_name, token_digest
 from ._errors import (
     AgentError,
     ClusterError,
@@ -36,78 +36,17 @@ from ._errors import (
     PlacementError,
     UnknownEnvError,
 )
-from ._placement import ClusterView, PlacementRequest, place_group, rank, request_for, with_pending
-from ._reconcile import AgentHandle, NodeEntry, NodeState, PendingCall, Reconciler
+from ._placement import ClusterView, PlacementRequest, place_group, rank, request_for, with_overrides, with_pending
+from ._reconcile import NodeEntry, NodeState, Reconciler
 from ._report import NodeReport, node_of, peer_tables
 
 log = logging.getLogger("weenv.cluster")
-_SNAPSHOT_ID = re.compile(r"snap-[A-Za-z0-9._-]{1,59}")  # the ids daemons make (new_snapshot_id)
-_ASK_SNAPSHOT_S = 5.0  # how long a node may take to say whether it holds a snapshot no report names
 
 PENDING_TTL_S = 60.0  # an env placed but never seen in its node's report stops counting after this
-
-
-# ================================================================================ node clients
-
-
-class NodeClient:
-    """One node's daemon API, through its agent (Ray actor calls)."""
-
-    def __init__(self, name: str, actor: Any, token: str | None, *, timeout_s: float = 300.0):
-        self.name, self.actor, self._token, self.timeout_s = name, actor, token, timeout_s
-
-    def __repr__(self) -> str:
-        return f"NodeClient({self.name!r})"
-
-    def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
-        import ray
-
-        try:
-            return ray.get(ref, timeout=timeout_s or self.timeout_s)
-        except ray.exceptions.RayActorError as e:
-            raise NodeLostError(f"node {self.name}: its agent is gone ({type(e).__name__})") from None
-        except ray.exceptions.GetTimeoutError:
-            raise NodeLostError(f"node {self.name}: its agent did not answer within "
-                                f"{timeout_s or self.timeout_s:g} s") from None
-        except ray.exceptions.RayTaskError as e:  # the agent raised: re-raise its own error
-            cause = e.as_instanceof_cause()
-            raise cause from None
-
-    def request(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
-                params: dict[str, str] | None = None, timeout_s: float | None = None) -> tuple[int, str, bytes]:
-        """Any ``/v1`` call on the node's daemon: ``(status, content type, body)``."""
-        ref = self.actor.request.remote(self._token, method, path, json_body=json, content=content, params=params,
-                                        timeout_s=timeout_s)
-        return self._get(ref, (timeout_s or self.timeout_s) + 10)  # type: ignore[no-any-return]
-
-    def call(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
-             params: dict[str, str] | None = None, timeout_s: float | None = None) -> Any:
-        """:meth:`request` with the answer decoded; AgentError for an error answer."""
-        status, ctype, body = self.request(method, path, json=json, content=content, params=params,
-                                           timeout_s=timeout_s)
-        if status >= 400:
-            try:
-                err = msgspec.json.decode(body)["error"]
-                kind, message = err.get("kind", "error"), err.get("message", "")
-            except (msgspec.DecodeError, KeyError, TypeError):
-                kind, message = "error", body.decode(errors="replace")[:500]
-            raise AgentError(self.name, status, kind, message)
-        if ctype.startswith("application/json") and body:
-            return msgspec.json.decode(body)
-        return body
-
-    def report(self, timeout_s: float = 10.0) -> NodeReport:
-        return self._get(self.actor.report.remote(self._token), timeout_s)  # type: ignore[no-any-return]
-
-    def hello(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        return self._get(self.actor.hello.remote(), timeout_s)  # type: ignore[no-any-return]
-
-    def publish_snapshot(self, snapshot_id: str, repo: str) -> dict[str, Any]:
-        return self._get(self.actor.publish_snapshot.remote(self._token, snapshot_id, repo))  # type: ignore[no-any-return]
-
-    def stop(self, *, stop_daemon: bool = False, kill_envs: bool = False) -> dict[str, Any]:
-        return self._get(self.actor.stop.remote(self._token, stop_daemon=stop_daemon,  # type: ignore[no-any-return]
-                                                kill_envs=kill_envs), 60)
+from ._nodes import ClusterEnv, NodeClient, _RayAgent
+from ._ray import join_ray, node_agents, require_ray_client  # noqa: F401 (re-exported)
+from ._snapshots import Snapshots
+from ._volumes import Volumes
 
 
 class Backend(Protocol):
@@ -117,121 +56,14 @@ class Backend(Protocol):
 
     def rank(self, req: PlacementRequest, *, limit: int | None = None) -> list[Any]:
         """The nodes placement would pick for ``req`` now, best first."""
-        return rank(self._current_view(), req, limit=limit)
+        return rank(self.current_view(), req, limit=limit)
 
     def for_create(self, request: dict[str, Any]) -> NodeClient: ...
 
     def all(self) -> list[NodeClient]: ...
 
 
-# ================================================================================ reconciler glue
-
-
-class _RayPending(PendingCall):
-    def __init__(self, ref: Any):
-        self.ref = ref
-
-    def done(self) -> bool:
-        import ray
-
-        ready, _ = ray.wait([self.ref], timeout=0)
-        return bool(ready)
-
-    def result(self) -> NodeReport:
-        import ray
-
-        return ray.get(self.ref, timeout=0)  # type: ignore[no-any-return]
-
-
-class _RayAgent(AgentHandle):
-    def __init__(self, client: NodeClient):
-        self.name = client.name
-        self.client = client
-
-    def start_report(self) -> PendingCall:
-        return _RayPending(self.client.actor.report.remote(self.client._token))
-
-
-# ================================================================================ envs
-
-
-class ClusterEnv:
-    """An env somewhere in the cluster: every call goes to its node (an EnvLostError once it is lost)."""
-
-    def __init__(self, cluster: "Cluster", info: dict[str, Any], node: str):
-        self.cluster, self.info, self.node = cluster, info, node
-        self.id: str = info["id"]
-
-    def __repr__(self) -> str:
-        return f"ClusterEnv({self.id!r}, node={self.node!r})"
-
-    def _node(self) -> NodeClient:
-        return self.cluster.for_env(self.id)
-
-    def exec(self, cmd: str | list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-             user: str | None = None, stdin: bytes | str | None = None, timeout_s: float | None = None) -> Any:
-        from .._client import ExecResult, _exec_body
-
-        body = _exec_body(cmd, env, cwd, user, stdin, timeout_s, False)
-        out = self._call("POST", f"/v1/envs/{self.id}/exec", json=body,
-                         timeout_s=(timeout_s or 300.0) + 30)
-        return msgspec.convert(out, ExecResult)
-
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
-        try:
-            return self._node().call(method, path, **kw)
-        except NodeLostError:
-            lost = self.cluster.lost_env(self.id)
-            if lost is not None:
-                raise lost from None
-            raise
-
-    def read_file(self, path: str) -> bytes:
-        return self._call("GET", f"/v1/envs/{self.id}/files", params={"op": "read", "path": path})  # type: ignore[no-any-return]
-
-    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
-        self._call("PUT", f"/v1/envs/{self.id}/files", content=data.encode() if isinstance(data, str) else data,
-                   params={"path": path, "mode": oct(mode)[2:]})
-
-    def refresh(self) -> dict[str, Any]:
-        self.info = self._call("GET", f"/v1/envs/{self.id}")
-        return self.info
-
-    def commit(self, *, publish: bool = False) -> str:
-        """Seal the env into a snapshot on its node; with ``publish``, also push it to the cluster's
-        store (then any node can start from it). Returns the snapshot id (published: its ref)."""
-        snap = self._call("POST", f"/v1/envs/{self.id}/commit", json={})["snapshot"]
-        self.cluster._note_snapshot(snap, self.node)
-        if publish:
-            return self.cluster.publish(snap)["ref"]  # type: ignore[no-any-return]
-        return snap  # type: ignore[no-any-return]
-
-    def fork(self, n: int) -> list["ClusterEnv"]:
-        """``n`` children of this env's current state: on its node while it admits them, the rest spread
-        over other nodes through the cluster's store (when the cluster has one)."""
-        return self.cluster.fork(self, n)
-
-    def kill(self) -> None:
-        try:
-            self._call("DELETE", f"/v1/envs/{self.id}", json={})
-            self.cluster._refresh_one(self.node)  # its room is free for the next placement
-        finally:
-            self.cluster._forget(self.id)
-
-    def __enter__(self) -> "ClusterEnv":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.kill()
-        except (EnvLostError, AgentError):
-            pass
-
-
-# ================================================================================ the cluster
-
-
-class Cluster:
+class Cluster(Snapshots, Volumes):
     """Node agents + reconciler + placement + routing (see the module docstring)."""
 
     def __init__(self, *, token: str | None = None, store: str | None = None, report_interval_s: float = 2.0,
@@ -249,6 +81,7 @@ class Cluster:
         self._routes: dict[str, str] = {}  # env id -> node: what this client created, before the next report
         self._lost: dict[str, EnvLostError] = {}
         self._snapshot_home: dict[str, str] = {}
+        self._volume_home: dict[str, str] = {}  # volume id / name -> node: what this client made or found
         self._published: dict[str, dict[str, Any]] = {}  # snapshot id / ref -> published record
         self._lost_listeners: list[Callable[[list[EnvLostError]], None]] = []
         self.reconciler = Reconciler(interval_s=report_interval_s, call_timeout_s=call_timeout_s,
@@ -395,9 +228,25 @@ class Cluster:
         """Have node ``name`` take a report now and use it (after a change made past its agent)."""
         self._refresh_one(name, fresh=True)
 
+    def take_down(self, name: str, *, kill_envs: bool, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Take node ``name`` out of the cluster and stop its daemon (``weenv cluster stop-node``):
+        its envs killed first with ``kill_envs``, else left running (a daemon started later on the
+        node re-adopts them). The node is lost from then on, for this client at once and for every
+        other (a gateway) at its next poll; its envs are lost envs. Returns the agent's answer."""
+        client = self.node(name)
+        answer = client.stop(stop_daemon=True, kill_envs=kill_envs, timeout_s=timeout_s,
+                             reason="Cluster.take_down")
+        with self._lock:
+            entry = self.reconciler.nodes.get(name)
+        if entry is not None:
+            self._refresh_one(name)  # its down report: lost now, its envs handed to on_envs_lost
+            with self._lock:
+                self.reconciler.mark_lost(name, "taken down (Cluster.take_down)")
+        return answer
+
     def _refresh_one(self, name: str, *, fresh: bool = False) -> None:
         try:
-            client = self._client(name)
+            client = self.node(name)
             rep = client._get(client.actor.refresh.remote(client._token), 10.0) if fresh else client.report(10.0)
         except Exception:
             return  # the reconciler's next poll deals with it
@@ -406,7 +255,9 @@ class Cluster:
             if entry is not None and entry.state is NodeState.HEALTHY and (
                     entry.report is None or rep.seq > entry.report.seq):
                 entry.report = rep
-                if self._pending:  # at once: an env killed before the next placement would never be listed
+                if rep.down:  # taken down: lost now, not at the next poll
+                    self.reconciler.mark_lost(name, f"taken down: {rep.down}")
+                elif self._pending:  # at once: an env killed before the next placement would never be listed
                     self._drop_seen_pending([rep])
 
     def routes(self) -> dict[str, str]:
@@ -458,13 +309,9 @@ class Cluster:
                 del self._pending[ticket]  # killed before a report listed it
                 self._pending_version += 1
 
-    def _note_snapshot(self, snap: str, node: str) -> None:
-        with self._lock:
-            self._snapshot_home[snap] = node
-
     # ------------------------------------------------------------------ Backend
 
-    def _client(self, node: str) -> NodeClient:
+    def node(self, node: str) -> NodeClient:
         with self._lock:
             entry = self.reconciler.nodes.get(node)
             if entry is not None and entry.state is NodeState.LOST:
@@ -473,6 +320,11 @@ class Cluster:
         if client is None:
             raise ClusterError(f"no node {node!r} in the cluster (nodes: {sorted(self.clients)})")
         return client
+
+    def route(self, env_id: str, node: str) -> None:
+        """Route ``env_id`` to ``node`` at once (a create's answer; the node's next report agrees)."""
+        with self._lock:
+            self._routes[env_id] = node
 
     def for_env(self, env_id: str) -> NodeClient:
         lost = self.lost_env(env_id)
@@ -484,7 +336,7 @@ class Cluster:
             if hint is None or hint not in self.clients:
                 raise UnknownEnvError(f"no node reports env {env_id!r} and its id names no node of the cluster")
             node = hint
-        return self._client(node)
+        return self.node(node)
 
     def all(self) -> list[NodeClient]:
         """Every node that is not lost (lists and metrics gather from all of them)."""
@@ -498,7 +350,7 @@ class Cluster:
 
         return AsyncClusterClient(self)
 
-    def _current_view(self) -> ClusterView:
+    def current_view(self) -> ClusterView:
         with self._lock:
             reports = self.reconciler.reports()
             if self._pending:
@@ -545,112 +397,107 @@ class Cluster:
         ticket, None when no node admits it): ranking and reserving are one step, so that a burst
         of concurrent creates spreads as the same creates one after the other would."""
         with self._lock:
-            ranked = [c.node for c in rank(self._current_view(), req, limit=limit)]
+            ranked = [c.node for c in rank(self.current_view(), req, limit=limit)]
             return ranked, (self.reserve(ranked[0], req) if ranked else None)
 
-    def _request(self, plan: dict[str, Any] | None, snapshot: str | None) -> tuple[PlacementRequest, dict[str, Any]]:
-        """The placement request and the create body for a plan lock or a snapshot (id or published ref)."""
+    def lock_for_image(self, image: str) -> Any:
+        """The lock envs of ``image`` start from, its layers converted where the cluster's store lacks
+        them (once for the whole cluster: every node reads the groups there, and placement sees
+        their layers); None without a store (each node then converts into its own)."""
+        if self.store is None:
+            return None
+        from ..registry import lock_for_image
+
+        return lock_for_image(image, base=self.store.rstrip("/") + "/")
+
+    def placement_request(self, plan: Any, snapshot: str | None) -> tuple[PlacementRequest, dict[str, Any]]:
+        """The placement request and the create body for a plan lock (a :class:`weenv.plan.Lock`,
+        or its builtins, read by the plan codec: PlanError naming the field when it refuses them)
+        or a snapshot (id or published ref). The body carries the lock as the codec read it."""
+        from ..plan import Lock, Plan, plan_from_builtins, plan_to_builtins
+
         if snapshot is None:
-            if plan is None or "lock_version" not in plan:
-                raise PlacementError("the cluster places plan locks (run `weenv plan lock`): a plan's tags would "
-                                     "resolve differently on every node")
-            return request_for(plan), {"plan": plan}
-        published = self._published_record(snapshot)
+            if isinstance(plan, dict) and "lock_version" in plan:
+                plan = plan_from_builtins(plan, Lock, source="the create's plan lock")
+            if not isinstance(plan, Lock):
+                kind = "a plan" if isinstance(plan, (dict, Plan)) else "nothing to start"
+                raise PlacementError(f"the cluster places plan locks (run `weenv plan lock`), got {kind}: a plan's "
+                                     f"tags would resolve differently on every node")
+            return request_for(plan), {"plan": plan_to_builtins(plan)}
+        published = self.published_record(snapshot)
         if published is not None:
             lock = published["lock"]
             layers = tuple((x[0], int(x[1])) for x in published.get("layers", ()))
             return request_for(lock, snapshot_layers=layers, snapshot=published["id"],
-                               snapshot_home=published.get("home")), {"plan": lock}
-        home = self._snapshot_home.get(snapshot) or self._find_snapshot(snapshot)
+                               snapshot_home=published.get("home"),
+                               source=f"published snapshot {snapshot}"), {"plan": lock}
+        home = self.snapshot_home(snapshot)
         if home is None:
             raise PlacementError(f"no node holds snapshot {snapshot!r} and it is not published to the cluster")
-        detail = self._client(home).call("GET", f"/v1/snapshots/{snapshot}")
+        detail = self.node(home).call("GET", f"/v1/snapshots/{snapshot}")
         layers = tuple((x["digest"], int(x["size"])) for x in detail.get("layers", ()))
         return request_for(detail["lock"], snapshot_layers=layers, snapshot=snapshot, snapshot_home=home,
-                           snapshot_local=True), {"snapshot": snapshot}
-
-    def _find_snapshot(self, snap: str) -> str | None:
-        """The node holding snapshot id ``snap``: from the reports, else by asking every node (a
-        snapshot made since its home last reported, or by a client outside the cluster)."""
-        reports = self.reconciler.reports()
-        for r in reports:
-            if any(s.id == snap for s in r.snapshots):
-                return r.node
-        if not _SNAPSHOT_ID.fullmatch(snap):  # not an id a daemon makes: nothing to ask for
-            return None
-        for r in reports:
-            try:
-                status, _, _ = self._client(r.node).request("GET", f"/v1/snapshots/{snap}",
-                                                             timeout_s=_ASK_SNAPSHOT_S)
-            except Exception as e:  # a lost node, or its daemon not answering: the others may hold it
-                log.warning("asking node %s for snapshot %s: %s: %s", r.node, snap, type(e).__name__, e)
-                continue
-            if status == 200:
-                self._note_snapshot(snap, r.node)
-                return r.node
-        return None
-
-    def _published_record(self, snapshot: str) -> dict[str, Any] | None:
-        with self._lock:
-            rec = self._published.get(snapshot)
-            reports = self.reconciler.reports(usable_only=False)
-        if rec is None and "/" not in snapshot:  # an id: published if its home's report names a ref
-            held = [(r.node, s) for r in reports for s in r.snapshots if s.id == snapshot and s.ref]
-            if not held:
-                return None
-            home, snap = held[0]
-            rec = {"id": snapshot, "ref": snap.ref, "lock": load_published(snap.ref or ""), "home": home,
-                   "layers": list(snap.layers)}
-            with self._lock:
-                self._published[snapshot] = rec
-            return rec
-        if rec is not None:
-            return rec
-        lock = load_published(snapshot)  # a ref: read from the cluster's store (any client, any restart)
-        rec = {"id": snapshot.rsplit(":", 1)[-1], "ref": snapshot, "lock": lock, "home": None, "layers": []}
-        with self._lock:
-            self._published[snapshot] = rec
-        return rec
+                           snapshot_local=True, source=f"snapshot {snapshot} on node {home}"), {"snapshot": snapshot}
 
     def rank(self, req: PlacementRequest, *, limit: int | None = None) -> list[Any]:
         """The nodes placement would pick for ``req`` now, best first."""
-        return rank(self._current_view(), req, limit=limit)
+        return rank(self.current_view(), req, limit=limit)
 
     def for_create(self, request: dict[str, Any]) -> NodeClient:
         """The node for a ``POST /v1/envs`` body (``plan``: a lock, or ``snapshot``: an id or published ref)."""
-        req, _ = self._request(request.get("plan"), request.get("snapshot"))
-        ranked = rank(self._current_view(), req, limit=1)
+        req, _ = self.placement_request(request.get("plan"), request.get("snapshot"))
+        req = self.pin_volumes(with_overrides(req, request.get("overrides")))  # pinned to its volumes' node
+        ranked = rank(self.current_view(), req, limit=1)
         if not ranked:
-            place_group(self._current_view(), req, 1)  # raises with the reasons
-        return self._client(ranked[0].node)
+            place_group(self.current_view(), req, 1)  # raises with the reasons
+        return self.node(ranked[0].node)
 
     # ------------------------------------------------------------------ envs
 
-    def create(self, plan: dict[str, Any] | str | None = None, *, snapshot: str | None = None,
-               node: str | None = None, overrides: dict[str, Any] | None = None) -> ClusterEnv:
-        """Start an env from a plan lock (dict or file) or a snapshot (id, or a published ref) on the
-        node placement picks (or on ``node``). A node that refuses (its state moved since its last
-        report) is skipped for the next best."""
-        if isinstance(plan, str):
-            from ..plan import load_any, plan_to_builtins
+    def create(self, plan: Any = None, *, snapshot: str | None = None,
+               node: str | None = None, overrides: dict[str, Any] | None = None,
+               restricted: bool = False, volumes: list[dict[str, Any]] | None = None) -> ClusterEnv:
+        """Start an env from a plan lock (a file, a :class:`weenv.plan.Lock` or its builtins) or a
+        snapshot (id, or a published ref) on the node placement picks (or on ``node``). A node that
+        refuses (its state moved since its last report) is skipped for the next best.
+        ``restricted``: a tenant's env (docs/network.md). ``volumes``: ``[[volumes]]`` tables mounted
+        beside the plan's; an env that mounts volumes starts on their node only."""
+        if volumes:
+            overrides = {**(overrides or {}), "volumes": [*(overrides or {}).get("volumes", []), *volumes]}
+        image = None
+        if isinstance(plan, str) and not os.path.exists(plan) and is_image_ref(plan):
+            image, plan = plan, self.lock_for_image(plan)
+        elif isinstance(plan, (str, os.PathLike)):
+            from ..plan import load_any
 
-            plan = plan_to_builtins(load_any(plan))
-        req, body = self._request(plan, snapshot)
+            plan = load_any(plan)
+        if plan is None and image is not None:  # no cluster store: the node converts it into its own
+            req, body = PlacementRequest(cpu_min_cores=DEFAULT_CPU_MIN_CORES, memory_min_bytes=DEFAULT_MEMORY_MIN_BYTES,
+                                         memory_max_bytes=DEFAULT_MEMORY_MAX_BYTES), {"image": image}
+        else:
+            req, body = self.placement_request(plan, snapshot)
         if overrides:
+            try:
+                req = with_overrides(req, overrides)  # placed by the minimums the node will admit it with
+            except ValueError as e:
+                raise PlacementError(f"create: {e}") from None
             body["overrides"] = overrides
+        req = self.pin_volumes(req, node)  # Volume*Error: volumes no node holds, or of two nodes
+        if restricted:
+            body["restricted"] = True
         if node is not None:
             candidates, ticket = [node], self.reserve(node, req)
         else:
             candidates, ticket = self.place(req)
             if not candidates:
-                place_group(self._current_view(), req, 1)  # raises, saying why
+                place_group(self.current_view(), req, 1)  # raises, saying why
         last: Exception | None = None
         for k, name in enumerate(candidates):
             if k > 0:
                 ticket = self.reserve(name, req)
             info = None
             try:
-                info = self._client(name).call("POST", "/v1/envs", json=body)
+                info = self.node(name).call("POST", "/v1/envs", json=body)
             except AgentError as e:
                 if e.kind != "not_admitted":
                     raise
@@ -674,72 +521,6 @@ class Cluster:
     def envs(self) -> dict[str, str]:
         return self.routes()
 
-    def publish(self, snapshot: str) -> dict[str, Any]:
-        """Push a snapshot held on one node to the cluster's store: then any node starts from it."""
-        if self.store is None:
-            raise ClusterError("this cluster has no store (connect(..., store='host:port/repo')): snapshots stay "
-                               "on the node that made them")
-        home = self._snapshot_home.get(snapshot) or self._find_snapshot(snapshot)
-        if home is None:
-            raise ClusterError(f"no node holds snapshot {snapshot!r}")
-        rec = self._client(home).publish_snapshot(snapshot, self.store)
-        self._refresh_one(home)  # its report names the ref now
-        with self._lock:
-            self._published[snapshot] = rec
-            self._published[rec["ref"]] = rec
-        return rec
-
-    def delete_snapshot(self, snapshot: str) -> None:
-        """Remove a snapshot from the node that holds it, and its published copy from the store."""
-        home = self._snapshot_home.get(snapshot) or self._find_snapshot(snapshot)
-        if home is None:
-            raise ClusterError(f"no node holds snapshot {snapshot!r}")
-        ref = self.published_ref(snapshot)  # before the node's copy goes: its report names the ref
-        self._client(home).call("DELETE", f"/v1/snapshots/{snapshot}")
-        self.snapshot_deleted(snapshot, ref)
-
-    def snapshot_deleted(self, snapshot: str, ref: str | None) -> None:
-        """The home's copy of ``snapshot`` is gone (deleted here or through the gateway's node API):
-        forget its home, and remove its published copy ``ref`` (from :meth:`published_ref`, read
-        before the delete) from the store."""
-        with self._lock:
-            self._snapshot_home.pop(snapshot, None)
-        if ref is not None:
-            self.unpublish(ref)
-
-    def published_ref(self, snapshot: str) -> str | None:
-        """The ref snapshot id ``snapshot`` is published under (None: not published, as far as this
-        client or the nodes' reports know)."""
-        with self._lock:
-            rec = self._published.get(snapshot)
-        if rec is not None and rec.get("ref"):
-            return str(rec["ref"])
-        for r in self.reconciler.reports(usable_only=False):
-            for s in r.snapshots:
-                if s.id == snapshot and s.ref:
-                    return s.ref
-        return None
-
-    def unpublish(self, ref: str) -> bool:
-        """Remove a published snapshot (``host[:port]/repo:snap-…``) from the store: creates from it
-        fail from then on; envs started from it read on (its blobs stay). False: it was not there."""
-        from ..registry import open_store, parse_ref
-
-        r = parse_ref(ref)
-        if r.registry is None or r.tag is None:
-            raise ClusterError(f"{ref!r} is not a published snapshot ref (host[:port]/repo:snap-…)")
-        snap_id = r.tag
-        with open_store(r.registry) as store:
-            gone = store.delete_manifest(r.repo, snap_id)  # the lock's tag first: no create starts from it
-            for tag in store.list_tags(r.repo):  # then its layers' (publish_snapshot tags them <id>-<i>)
-                if tag.startswith(snap_id + "-") and tag[len(snap_id) + 1:].isdigit():
-                    store.delete_manifest(r.repo, tag)
-        with self._lock:
-            for key in [k for k, v in self._published.items() if v.get("ref") == ref] + [ref]:
-                self._published.pop(key, None)
-        log.info("unpublished %s (%s)", ref, "removed" if gone else "was not in the store")
-        return gone
-
     def fork(self, env: ClusterEnv, n: int) -> list[ClusterEnv]:
         return self.fork_group(env, n)[1]
 
@@ -748,12 +529,14 @@ class Cluster:
         node's ``POST /v1/envs/{id}/fork`` does). All or none: a failure kills the started children."""
         if not 1 <= n <= 1024:
             raise ClusterError(f"fork needs 1 <= n <= 1024, got {n}")
+        # a tenant's env forks into tenant envs wherever they start (its home's fork would keep it)
+        restricted = bool(env._call("GET", f"/v1/envs/{env.id}").get("restricted"))
         snap = env._call("POST", f"/v1/envs/{env.id}/commit", json={})["snapshot"]
         self._note_snapshot(snap, env.node)
         children: list[ClusterEnv] = []
         try:
-            local_req, _ = self._request(None, snap)
-            view = self._current_view()
+            local_req, _ = self.placement_request(None, snap)
+            view = self.current_view()
             try:
                 nodes = place_group(view, local_req, n)  # all on the home node
             except PlacementError:
@@ -761,13 +544,15 @@ class Cluster:
                     raise
                 rec = self.publish(snap)
                 layers = tuple((x[0], int(x[1])) for x in rec["layers"])
-                spread = request_for(rec["lock"], snapshot_layers=layers, snapshot=snap, snapshot_home=env.node)
+                spread = request_for(rec["lock"], snapshot_layers=layers, snapshot=snap, snapshot_home=env.node,
+                                     source=f"published snapshot {snap}")
                 nodes = place_group(view, spread, n)
             for name in nodes:
                 if name == env.node:
-                    children.append(self.create(snapshot=snap, node=name))
+                    children.append(self.create(snapshot=snap, node=name, restricted=restricted))
                 else:
-                    children.append(self.create(snapshot=self._published[snap]["ref"], node=name))
+                    children.append(self.create(snapshot=self._published[snap]["ref"], node=name,
+                                                restricted=restricted))
         except BaseException:
             for child in children:
                 try:
@@ -780,28 +565,6 @@ class Cluster:
                 log.warning("fork of %s refused; its snapshot %s stays on node %s: %s", env.id, snap, env.node, e)
             raise
         return snap, children
-
-
-def require_ray_client(address: str) -> None:
-    """Refuse a ``ray://`` address clearly when this Python has no Ray client (``ray[client]``: grpcio)."""
-    try:
-        import grpc  # noqa: F401  (what Ray's client is built on; ray.init("ray://...") fails deep without it)
-        import ray.util.client  # noqa: F401
-    except ImportError as e:
-        raise ClusterError(f"{address}: a ray:// address needs Ray's client, which is not installed here ({e}): "
-                           f"`pip install 'ray[client]'` (weenv[cluster] brings it), or give the Ray cluster's "
-                           f"GCS address (HEAD:6379) from a process that can join it") from None
-
-
-def join_ray(address: str | None, **kw: Any) -> None:
-    """``ray.init`` for a cluster address: ``ray://HOST:PORT`` through Ray's client (a process outside
-    the cluster; driver-only options such as ``_node_ip_address`` do not apply there), else joining."""
-    import ray
-
-    if address is not None and address.startswith("ray://"):
-        require_ray_client(address)
-        kw = {k: v for k, v in kw.items() if not k.startswith("_") and k not in ("include_dashboard",)}
-    ray.init(address=address, **kw)
 
 
 def connect(ray_address: str | None = None, *, token: str | None = None, store: str | None = None,

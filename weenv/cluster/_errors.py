@@ -40,3 +40,12 @@ class AgentError(ClusterError):
 
 class ClusterAuthError(ClusterError, PermissionError):
     """A call to a node agent without the cluster token."""
+
+
+class VolumeConflictError(ClusterError):
+    """A create mounts volumes of two nodes (volumes are node-local), or names a volume by a name two
+    nodes have, or makes a volume under a name the cluster has already (the gateway's 409)."""
+
+
+class VolumeNotFoundError(ClusterError, LookupError):
+    """No node of the cluster holds the volume (the gateway's 404 ``volume_not_found``)."""

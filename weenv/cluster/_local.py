@@ -3,7 +3,9 @@
 Each node is a raylet of ``ray.cluster_utils.Cluster`` whose environment carries its own
 ``$WEENV_HOME`` and cgroup root, so the node agents find (and start) their daemons exactly as on
 real nodes. :meth:`LocalCluster.stop` kills the envs, stops every daemon and envlet, unmounts,
-removes the cgroup roots and Ray's processes, and returns what it could not clean.
+removes the cgroup roots and Ray's processes, and returns what it could not clean: a weenv process
+of a node's home still running after all that (found by its ``$WEENV_HOME`` or its arguments,
+:func:`home_processes`) is one of those, and is killed.
 
 Ray resolves "127.0.0.1" to the machine's external address for drivers unless
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in the environment before Ray is imported: callers set
@@ -18,15 +20,68 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._proc import wait_gone
+from .._proc import gone, wait_gone
 from ._errors import ClusterError
 
 
+def _weenv_argv(argv: list[str]) -> bool:
+    """``python -m weenv …`` or the ``weenv`` console script."""
+    return any((a == "weenv" and i > 0 and argv[i - 1] == "-m") or os.path.basename(a) == "weenv"
+               for i, a in enumerate(argv[:3]))
+
+
+def home_processes(homes: Iterable[str]) -> list[tuple[int, str, str]]:
+    """The weenv processes (daemons, envlets, anything ``python -m weenv``) of these homes that still
+    run: ``(pid, home, command line)``. A process belongs to a home when its ``$WEENV_HOME`` is that
+    home or one of its arguments is a path inside it; other homes' processes (other tests, the
+    machine's own daemon) are never listed."""
+    wanted = [os.path.abspath(h) for h in homes if h]
+    out: list[tuple[int, str, str]] = []
+    if not wanted:
+        return out
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            if not _weenv_argv(argv):
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env_home = next((v[len(b"WEENV_HOME="):].decode(errors="replace") for v in f.read().split(b"\0")
+                                 if v.startswith(b"WEENV_HOME=")), None)
+        except OSError:  # gone meanwhile
+            continue
+        for home in wanted:
+            if (env_home is not None and os.path.abspath(env_home) == home) or \
+                    any(a == home or a.startswith(home + "/") for a in argv):
+                if not gone(pid):
+                    out.append((pid, home, " ".join(argv)))
+                break
+    return out
+
+
+def _kill(pids: Iterable[int], timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL for what still runs after ``timeout_s``."""
+    pids = list(pids)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if all(wait_gone(pid, timeout_s) for pid in pids):
+            return
+
+
 def stop_node(home: str, cgroup_root: str) -> list[str]:
-    """Kill a node's envs, stop its daemon and envlet, unmount, remove its cgroups: what was left."""
+    """Kill a node's envs, stop its daemon and envlet, unmount, remove its cgroups: what was left.
+    A daemon that does not answer on its socket is found by its home and killed."""
     import weenv
     from weenv.envlet import EnvletClient
     from weenv.provision.cgroups import detect_backend
@@ -42,11 +97,12 @@ def stop_node(home: str, cgroup_root: str) -> list[str]:
                 except Exception:
                     pass
             c.gc()
-            c._request("POST", "/v1/daemon/stop", json={"kill_envs": True})
+            c.stop_daemon(kill_envs=True)
     except Exception:
         pass
     if pid is not None and not wait_gone(pid, 20.0):
         os.kill(pid, signal.SIGKILL)
+    _kill(p for p, _, cmd in home_processes([home]) if " daemon" in cmd)  # one that did not answer
     try:
         epid = int(EnvletClient(os.path.join(home, "run", "envlet.sock")).ping()["pid"])
         os.kill(epid, signal.SIGTERM)
@@ -128,6 +184,9 @@ class LocalCluster:
         if self.ray_cluster is not None:
             self.ray_cluster.shutdown()
             self.ray_cluster = None
+        stray = home_processes(self.homes)  # nothing of weenv may outlive the Ray cluster (issue 26 item 5)
+        left += [f"process {pid} of home {home} outlived Ray: {cmd}" for pid, home, cmd in stray]
+        _kill(pid for pid, _, _ in stray)
         if self._old_tmp is None:
             os.environ.pop("RAY_TMPDIR", None)
         else:

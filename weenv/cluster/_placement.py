@@ -6,7 +6,8 @@ Rules, in order (docs/cluster.md):
    _policy.py ``admit``): the max fits in RAM minus the reserve, the sum of memory mins fits there
    too, the min fits in today's headroom, the sum of CPU mins fits in cores x overcommit. A node
    that is not accepting (daemon or envlet down, lost, draining) takes nothing. A node-local
-   snapshot starts only on its home node.
+   snapshot starts only on its home node; an env that mounts volumes only on their node (volumes
+   are node-local: :func:`volume_home` finds it, and refuses volumes of two nodes).
 2. The load band: only nodes whose busy share is within ``band`` (default 0.25, i.e. 25 % of
    capacity; ``$WEENV_PLACEMENT_BAND``) of the least busy admitting node compete on rules 3-4; the
    others follow, least loaded first. Cache affinity wins among comparably busy nodes but never piles
@@ -36,13 +37,14 @@ creates see each other.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-
 import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
-from ._errors import PlacementError
+from ..plan import Lock, Plan, plan_from_builtins
+from ._errors import PlacementError, VolumeConflictError, VolumeNotFoundError
 from ._report import LayerHeld, NodeReport
 
 _EPS = 1e-9
@@ -72,6 +74,8 @@ class PlacementRequest(msgspec.Struct, frozen=True, kw_only=True):
     snapshot: str | None = None
     snapshot_home: str | None = None  # the node that made (holds) the snapshot
     snapshot_local: bool = False  # True: not published, so only its home node can start it
+    volumes: tuple[str, ...] = ()  # the volumes it mounts (ids or names): the plan's and overrides.volumes
+    volume_home: str | None = None  # their node (the caller's look-up); None: found in the view's reports
 
 
 class Choice(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,7 +92,7 @@ class _Node:
     """One node's numbers, unpacked from its report once per view."""
 
     __slots__ = ("name", "accepting", "cpu_cap", "cpu_committed", "mem_free", "headroom", "ceiling", "share",
-                 "busy", "load", "envs")
+                 "busy", "load", "envs", "volumes")
 
     def __init__(self, r: NodeReport):
         c = r.capacity
@@ -106,6 +110,7 @@ class _Node:
         self.envs = c.envs
         self.busy = max(self.share, used_share)
         self.load = self.busy + ENV_WEIGHT * max(c.envs, 0)
+        self.volumes = len(r.volumes)
 
 
 class ClusterView:
@@ -115,6 +120,8 @@ class ClusterView:
         self.nodes: list[_Node] = []
         self.by_name: dict[str, int] = {}
         self.layer_index: dict[str, list[tuple[int, int]]] = {}  # digest -> [(node index, bytes)]
+        self.volume_ids: dict[str, list[str]] = {}  # volume id -> the node holding it
+        self.volume_names: dict[str, list[str]] = {}  # volume name -> the nodes with a volume of that name
         for r in reports:
             if r.node in self.by_name:
                 raise PlacementError(f"two reports name node {r.node!r}: node names must be unique")
@@ -131,6 +138,10 @@ class ClusterView:
                     if digest not in seen:
                         seen.add(digest)
                         self.layer_index.setdefault(digest, []).append((i, size))
+            for vol in r.volumes:
+                self.volume_ids.setdefault(vol.id, []).append(r.node)
+                if vol.name and r.node not in self.volume_names.get(vol.name, ()):
+                    self.volume_names.setdefault(vol.name, []).append(r.node)
 
         self.order = sorted(range(len(self.nodes)), key=lambda i: (self.nodes[i].load, self.nodes[i].name))
 
@@ -187,8 +198,12 @@ def _ranked(view: ClusterView, req: PlacementRequest,
     nodes = view.nodes
     cached = _cached(view, req)
     home = view.by_name.get(req.snapshot_home or "", -1)
-    if req.snapshot_local:
-        return ([home] if home >= 0 and _admits(nodes[home], cpu, mem_min, mem_max) else []), cached, home
+    pins = {home} if req.snapshot_local else set()
+    if req.volumes:  # volumes are node-local: the env starts only on their node
+        pins.add(view.by_name.get(_volume_node(view, req) or "", -1))
+    if pins:
+        pin = pins.pop() if len(pins) == 1 else -1  # a local snapshot and volumes on two nodes: nowhere
+        return ([pin] if pin >= 0 and _admits(nodes[pin], cpu, mem_min, mem_max) else []), cached, home
     # view.order is the nodes by (load, name): filtering in that order leaves only the
     # few nodes holding plan bytes (or the home) to sort ahead of the rest
     candidates = [i for i in view.order if (n := nodes[i]).accepting and mem_max <= n.ceiling
@@ -205,6 +220,54 @@ def _ranked(view: ClusterView, req: PlacementRequest,
                    key=lambda i: (-cached.get(i, 0), i != home, nodes[i].load, nodes[i].name))
     front_set = set(front)
     return front + [i for i in in_band if i not in front_set] + rest, cached, home
+
+
+def _volume_node(view: ClusterView, req: PlacementRequest) -> str | None:
+    if req.volume_home is not None:
+        return req.volume_home
+    try:
+        return volume_home(volume_nodes(view, req.volumes))
+    except (VolumeConflictError, VolumeNotFoundError):
+        return None
+
+
+def volume_nodes(view: ClusterView, refs: Iterable[str]) -> dict[str, list[str]]:
+    """Each volume ref (an id, else a name on a node) -> the nodes whose reports list it."""
+    return {ref: sorted(view.volume_ids.get(ref) or view.volume_names.get(ref) or ()) for ref in dict.fromkeys(refs)}
+
+
+def volume_home(where: Mapping[str, Sequence[str]]) -> str:
+    """The one node holding every volume of ``where`` (ref -> the nodes holding it, as
+    :func:`volume_nodes` gives it). VolumeNotFoundError for a ref no node holds; VolumeConflictError
+    for a name that several nodes have, or volumes of two nodes (an env starts on one node, and
+    volumes are node-local)."""
+    homes: dict[str, list[str]] = {}
+    for ref, nodes in where.items():
+        if not nodes:
+            raise VolumeNotFoundError(f"volume {ref!r} not found: no node of the cluster holds it")
+        if len(nodes) > 1:
+            raise VolumeConflictError(f"volume {ref!r}: nodes {', '.join(nodes)} each have a volume of that name "
+                                      f"(volumes are node-local): name it by its id")
+        homes.setdefault(nodes[0], []).append(ref)
+    if len(homes) != 1:
+        if not homes:
+            raise VolumeNotFoundError("no volume named")
+        on = "; ".join(f"{', '.join(repr(r) for r in refs)} on node {node}" for node, refs in sorted(homes.items()))
+        raise VolumeConflictError(f"the env mounts volumes of {len(homes)} nodes ({on}): volumes are node-local "
+                                  f"and an env runs on one node, so it may mount only volumes of one node")
+    return next(iter(homes))
+
+
+def place_volume(view: ClusterView, *, band: float | None = None) -> list[str]:
+    """Nodes for a new volume, best first: accepting nodes within the load band (rule 2) of the least
+    busy, those with the fewest volumes first (the envs that will mount a volume are pinned to its
+    node, so volumes spread), then by load and name; then the rest by load."""
+    nodes = [view.nodes[i] for i in view.order if view.nodes[i].accepting]
+    if not nodes:
+        return []
+    limit = min(n.busy for n in nodes) + (default_band() if band is None else band) + _EPS
+    in_band = sorted((n for n in nodes if n.busy <= limit), key=lambda n: (n.volumes, n.load, n.name))
+    return [n.name for n in in_band] + [n.name for n in nodes if n.busy > limit]
 
 
 def rank(view: ClusterView, req: PlacementRequest, *, limit: int | None = None,
@@ -258,8 +321,11 @@ def place(reports: Sequence[NodeReport], req: PlacementRequest, *, band: float |
 def _why(view: ClusterView, req: PlacementRequest, n: int, got: int) -> str:
     """Why no (or not enough) room: counts of nodes by their first unmet rule."""
     reasons: dict[str, int] = {}
+    vnode = _volume_node(view, req) if req.volumes else None
     for node in view.nodes:
-        if not node.accepting:
+        if req.volumes and node.name != vnode:
+            r = "not the volumes' node"
+        elif not node.accepting:
             r = "not accepting (down, lost or draining)"
         elif req.memory_max_bytes > node.ceiling:
             r = "memory max above what the node can give one env"
@@ -278,27 +344,60 @@ def _why(view: ClusterView, req: PlacementRequest, n: int, got: int) -> str:
     if req.snapshot_local:
         where = (f"snapshot {req.snapshot} is local to node {req.snapshot_home} (publish it to start it "
                  f"elsewhere); {where}")
+    if req.volumes:
+        vols = ", ".join(repr(v) for v in req.volumes)
+        if vnode is None:
+            where = f"the env mounts volumes {vols}, which no one node holds; {where}"
+        else:
+            state = "" if vnode in view.by_name else f" (node {vnode} is not usable: lost, unhealthy or draining)"
+            where = (f"the env mounts volume{'s' if len(req.volumes) > 1 else ''} {vols} of node {vnode}, where "
+                     f"alone it can start (volumes are node-local){state}; {where}")
     head = f"no node can take {n} env{'s' if n != 1 else ''} ({what})" if got == 0 else \
         f"the nodes can take only {got} of {n} envs ({what})"
     return f"{head}; {len(view.nodes)} nodes: {where}"
 
 
-def request_for(lock: dict[str, object], *, snapshot_layers: Sequence[tuple[str, int]] = (),
+def request_for(lock: Plan | Mapping[str, Any], *, snapshot_layers: Sequence[tuple[str, int]] = (),
                 snapshot: str | None = None, snapshot_home: str | None = None,
-                snapshot_local: bool = False) -> PlacementRequest:
-    """A placement request from a plan lock (JSON form, as the daemon stores it)."""
-    try:
-        groups = lock.get("groups", [])  # type: ignore[union-attr]
-        layers = tuple((g["layer_digest"], int(g["layer_size"])) for g in groups)  # type: ignore[index,union-attr]
-        res = lock.get("resources") or {}  # type: ignore[union-attr]
-        cpu = (res.get("cpu") or {})  # type: ignore[union-attr]
-        mem = (res.get("memory") or {})  # type: ignore[union-attr]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise PlacementError(f"the plan lock is not one placement can read: {e}") from None
-    from ..plan._model import DEFAULT_CPU_MIN_CORES, DEFAULT_MEMORY_MAX_BYTES, DEFAULT_MEMORY_MIN_BYTES
+                snapshot_local: bool = False, source: str = "the plan lock") -> PlacementRequest:
+    """A placement request from a plan lock as the plan codec reads it: a :class:`weenv.plan.Lock`,
+    or a lock's builtins (``plan_to_builtins``, a JSON body, a parsed TOML file: sizes as bytes or
+    ``"256MiB"``), which are decoded with ``plan_from_builtins`` first, so every form places alike.
+    A plan that is not a lock places by its minimums only (its tags pin no layers).
 
-    return PlacementRequest(layers=layers + tuple(snapshot_layers),
-                            cpu_min_cores=float(cpu.get("min", DEFAULT_CPU_MIN_CORES)),
-                            memory_min_bytes=int(mem.get("min", DEFAULT_MEMORY_MIN_BYTES)),
-                            memory_max_bytes=int(mem.get("max", DEFAULT_MEMORY_MAX_BYTES)),
-                            snapshot=snapshot, snapshot_home=snapshot_home, snapshot_local=snapshot_local)
+    Raises :class:`weenv.plan.PlanError` (naming ``source`` and the field) for builtins the codec
+    refuses: they would not start on any node either."""
+    if isinstance(lock, Mapping):
+        lock = plan_from_builtins(dict(lock), Lock if "lock_version" in lock else Plan, source=source)
+    elif not isinstance(lock, Plan):
+        raise TypeError(f"request_for takes a plan lock (weenv.plan.Lock or its builtins), not {type(lock).__name__}")
+    layers = tuple((g.layer_digest, g.layer_size) for g in lock.groups) if isinstance(lock, Lock) else ()
+    res = lock.resources
+    return PlacementRequest(layers=layers + tuple(snapshot_layers), cpu_min_cores=res.cpu.min,
+                            memory_min_bytes=res.memory.min, memory_max_bytes=res.memory.max,
+                            snapshot=snapshot, snapshot_home=snapshot_home, snapshot_local=snapshot_local,
+                            volumes=tuple(dict.fromkeys(v.name for v in lock.volumes)))
+
+
+def with_overrides(req: PlacementRequest, overrides: Mapping[str, Any] | None) -> PlacementRequest:
+    """``req`` with a create's ``cpu`` / ``memory`` overrides (what the node admits the env with) and
+    the volumes its ``volumes`` override mounts; ValueError naming the value when one is not a size or range."""
+    from ..plan._units import parse_cpu_range, parse_memory_range
+
+    if not overrides:
+        return req
+    try:
+        if overrides.get("cpu") is not None:
+            req = msgspec.structs.replace(req, cpu_min_cores=parse_cpu_range(overrides["cpu"])[0])
+        if overrides.get("memory") is not None:
+            low, high = parse_memory_range(overrides["memory"])
+            req = msgspec.structs.replace(req, memory_min_bytes=low, memory_max_bytes=high)
+        extra = overrides.get("volumes")
+        if extra is not None:
+            if not isinstance(extra, list) or not all(isinstance(v, Mapping) and isinstance(v.get("name"), str)
+                                                      for v in extra):
+                raise ValueError("volumes: a list of [[volumes]] tables, each with a name")
+            req = msgspec.structs.replace(req, volumes=tuple(dict.fromkeys([*req.volumes, *(v["name"] for v in extra)])))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"overrides: {e}") from None
+    return req

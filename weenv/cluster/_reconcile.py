@@ -13,8 +13,9 @@ fakes and a fake clock; :mod:`weenv.cluster._cluster` gives it Ray actor handles
 
 A failure is a report call that raised, one that did not answer within ``call_timeout_s``, or a
 report whose sequence number did not move for ``call_timeout_s`` (the agent's report thread is
-stuck). LOST is final for that node name: the node's envs are handed to ``on_lost`` once, and the
-cluster never re-runs them.
+stuck). A report that says the node was taken down (``NodeReport.down``: ``weenv cluster
+stop-node``) makes it LOST at once, from any state. LOST is final for that node name: the node's
+envs are handed to ``on_lost`` once, and the cluster never re-runs them.
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ class Reconciler:
         previous = entry.report
         if previous is None or report.seq >= previous.seq:
             entry.report = report  # never an older one over a newer (one fetched after a create, say)
+        if report.down:  # its operator took it down: its daemon (and envs) are stopped, not just silent
+            self._lose(entry, f"taken down: {report.down}")
+            return
         if previous is None or report.seq != previous.seq:
             entry.last_seq_change_s = now
         elif entry.last_seq_change_s is not None and now - entry.last_seq_change_s > self.call_timeout_s:

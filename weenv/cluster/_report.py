@@ -1,7 +1,7 @@
 """What a node agent reports every few seconds, and how it is read out of the daemon's answers.
 
 Everything here is data and pure functions: the agent fills a :class:`NodeReport` from its
-daemon's ``/v1/top``, ``/v1/envs`` and ``/v1/snapshots`` answers, its envlet's layer list and the
+daemon's ``/v1/top``, ``/v1/envs``, ``/v1/snapshots`` and ``/v1/volumes`` answers, its envlet's layer list and the
 layer trees on disk; placement (:mod:`weenv.cluster._placement`) and routing read it.
 """
 
@@ -31,6 +31,14 @@ class SnapshotHeld(msgspec.Struct, frozen=True, kw_only=True):
     layers: list[tuple[str, int]] = []  # (digest, size) bottom first
     ref: str | None = None  # published to the cluster's store: any node can start from it
     plan: str | None = None
+
+
+class VolumeHeld(msgspec.Struct, frozen=True, kw_only=True):
+    """A volume of this node (``GET /v1/volumes``): volumes are node-local, so an env that mounts it
+    starts only here (placement pins it), and its calls are routed here."""
+
+    id: str
+    name: str = ""
 
 
 class EnvHeld(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,10 +77,12 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     node_api: str = ""  # http://ip:port: the daemon on the cluster network (cluster token required), or ""
     store_bytes_fetched: int = 0  # bytes its envlet read from stores (registries) since it started
     peer_address: str = ""  # HOST:PORT its envlet serves cached chunks to peers on (the peer tier), or ""
+    down: str = ""  # why the node was taken down (weenv cluster stop-node): its last report; it is lost
     capacity: Capacity
     layers: list[LayerHeld] = []
     snapshots: list[SnapshotHeld] = []
     envs: list[EnvHeld] = []
+    volumes: list[VolumeHeld] = []
 
 
 def peer_tables(reports: "list[NodeReport]", usable: "set[str] | None" = None) -> dict[str, dict[str, list[str]]]:
@@ -124,6 +134,11 @@ def snapshots_from(answer: list[dict[str, Any]]) -> list[SnapshotHeld]:
     """``GET /v1/snapshots`` as held snapshots (layers as (digest, size))."""
     return [SnapshotHeld(id=s["id"], layers=[(x["digest"], int(x["size"])) for x in s.get("layers", [])],
                          ref=s.get("ref"), plan=s.get("plan")) for s in answer]
+
+
+def volumes_from(answer: list[dict[str, Any]]) -> list[VolumeHeld]:
+    """``GET /v1/volumes`` as held volumes (id and name on the node)."""
+    return [VolumeHeld(id=v["id"], name=str(v.get("name") or v["id"])) for v in answer]
 
 
 def envs_from(answer: list[dict[str, Any]]) -> list[EnvHeld]:

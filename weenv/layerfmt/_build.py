@@ -8,7 +8,7 @@ import os
 import tarfile
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -18,12 +18,12 @@ import zstandard
 from ._errors import LayerError, LayerInputError
 from ._ids import CAPABILITY_XATTR, cap_to_layer, to_layer_id
 from ._io import Writer
-from ._source import PathOpener, SourceEntry, SpoolOpener, iter_directory, scan_tar
+from ._source import PathOpener, SourceEntry, SpoolOpener, iter_directory, iter_tar_stream, scan_tar
 from ._tarheader import tar_header
 from ._toc import (
     DEFAULT_CHUNK_SIZE,
-    EMPTY_SHA256,
     DEFAULT_LIMITS,
+    EMPTY_SHA256,
     FORMAT_VERSION,
     SKIPPABLE_HEADER,
     SKIPPABLE_TOC_MAGIC,
@@ -479,3 +479,39 @@ def build_layer(
     entries, spool = scan_tar(src, spool_dir=spool_dir)
     with spool:
         return build_entries(entries, out, **kwargs)
+
+
+def build_tar_stream(
+    src: BinaryIO,
+    out: Writer,
+    *,
+    drop_whiteouts: bool = False,
+    on_entry: Callable[[SourceEntry], object] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    level: int = DEFAULT_LEVEL,
+    threads: int | None = None,
+) -> BuildResult:
+    """Build a layer from an uncompressed tar stream read once, front to back, in the stream's order.
+
+    Nothing is spooled: each file's content goes from the stream into its compressed frames chunk by
+    chunk, so memory is the pipeline's buffers plus the entries' metadata, and the only bytes on
+    disk are the layer's (a run of zeros, such as a sparse file's, compresses to a few bytes per
+    chunk). The TOC lists entries in blob order, which is here the tar's: the same stream always
+    gives the same blob, but a tree tarred in another order gives another one (:func:`build_layer`
+    sorts). ``on_entry`` sees each entry as it is written (content already read for earlier ones);
+    ``drop_whiteouts`` and :class:`StreamOrderError` are :func:`iter_tar_stream`'s.
+    """
+    _check_chunk_size(chunk_size)
+    entries: Iterable[SourceEntry] = iter_tar_stream(src, drop_whiteouts=drop_whiteouts)
+    if on_entry is not None:
+        entries = _tapped(entries, on_entry)
+    try:
+        return _build_ordered(entries, 0, [], out, chunk_size=chunk_size, level=level, threads=threads)
+    except (tarfile.TarError, EOFError) as err:  # raised inside a file's content, while the builder reads it
+        raise LayerInputError(f"corrupt tar stream: {err}") from None
+
+
+def _tapped(entries: Iterable[SourceEntry], on_entry: Callable[[SourceEntry], object]) -> Iterator[SourceEntry]:
+    for e in entries:
+        on_entry(e)
+        yield e

@@ -9,6 +9,7 @@
      │    └── LimitExceededError    a size or count above the reader's limits
      ├── IntegrityError             a sha256 did not match (TOC or chunk)
      ├── LayerInputError            a build input cannot be turned into a layer
+     │    └── StreamOrderError      a tar stream cannot be written in its own order (build from a spool)
      └── EntryNotFoundError         a path that the layer does not contain
 
 Every error carries ``offset`` (a byte offset in the blob) and/or ``path`` (an entry path) when
@@ -54,6 +55,13 @@ class IntegrityError(LayerError):
 
 class LayerInputError(LayerError):
     """Raised when a build input (directory or tar stream) cannot be represented as a layer."""
+
+
+class StreamOrderError(LayerInputError):
+    """Raised while a tar stream is built in its own order when the stream needs a view of the whole
+    archive that a single pass does not give: a path that comes twice, a hardlink to a later entry, the
+    root after other entries, or a whiteout next to an entry of the same layer that it would change.
+    What was written is unusable; the same stream can still be built with :func:`scan_tar` (spooled)."""
 
 
 class EntryNotFoundError(LayerError, KeyError):

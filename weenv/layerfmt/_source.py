@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import zstandard
 
-from ._errors import LayerInputError
+from ._errors import LayerInputError, StreamOrderError
 from ._toc import OPAQUE_NAME, WHITEOUT_PREFIX
 
 OVERLAY_XATTR_PREFIX = "trusted.overlay."
@@ -258,6 +258,55 @@ def _decompressing(fileobj: BinaryIO) -> BinaryIO:
     return buffered
 
 
+def _pax_xattrs(ti: tarfile.TarInfo) -> dict[str, bytes]:
+    xattrs = {}
+    for k, v in sorted(ti.pax_headers.items()):
+        if k.startswith("SCHILY.xattr."):
+            xname = k[len("SCHILY.xattr."):]
+            if keep_xattr(xname):
+                xattrs[xname] = v.encode("utf-8", "surrogateescape")
+    return xattrs
+
+
+def _tar_entry(ti: tarfile.TarInfo, path: str) -> tuple[SourceEntry, str | None]:
+    """The entry one tar header describes, and a hardlink's target (whose fields the caller copies
+    into it); a regular file's content (its opener) is also the caller's."""
+    name = path.rpartition("/")[2]
+    xattrs = _pax_xattrs(ti)
+    base = dict(mode=ti.mode & 0o7777, uid=ti.uid, gid=ti.gid, mtime=int(ti.mtime))
+    if name == OPAQUE_NAME:
+        return SourceEntry(path, "opaque", mode=0, mtime=base["mtime"]), None
+    if name.startswith(WHITEOUT_PREFIX):
+        if name == WHITEOUT_PREFIX:
+            raise LayerInputError("whiteout without a name", path=path)
+        return SourceEntry(path, "whiteout", mode=0, mtime=base["mtime"]), None
+    if ti.isreg():
+        return SourceEntry(path, "file", size=ti.size, xattrs=xattrs, **base), None
+    if ti.isdir():
+        return SourceEntry(path, "dir", xattrs=xattrs, **base), None
+    if ti.issym():
+        if not ti.linkname:
+            raise LayerInputError("symlink with an empty target", path=path)
+        return SourceEntry(path, "symlink", link=ti.linkname, xattrs=xattrs, **base), None
+    if ti.islnk():
+        return SourceEntry(path, "file", xattrs=xattrs, **base), canonical_path(ti.linkname, where="hardlink target")
+    if ti.ischr() or ti.isblk():
+        return SourceEntry(path, "char" if ti.ischr() else "block", devmajor=ti.devmajor, devminor=ti.devminor,
+                           xattrs=xattrs, **base), None
+    if ti.isfifo():
+        return SourceEntry(path, "fifo", xattrs=xattrs, **base), None
+    raise LayerInputError(f"unsupported tar entry type {ti.type!r}", path=path)
+
+
+def _link_to(e: SourceEntry, t: SourceEntry, target: str) -> None:
+    """Make hardlink ``e`` share everything with its target ``t`` except its name."""
+    if t.type not in ("file", "symlink", "char", "block", "fifo"):
+        raise LayerInputError(f"hardlink to a {t.type} entry {target!r}", path=e.path)
+    e.type, e.mode, e.uid, e.gid, e.mtime = t.type, t.mode, t.uid, t.gid, t.mtime
+    e.size, e.link, e.devmajor, e.devminor = t.size, t.link, t.devmajor, t.devminor
+    e.xattrs, e.opener, e.link_key = t.xattrs, t.opener, t.link_key
+
+
 def scan_tar(fileobj: BinaryIO, *, spool_dir: str | None = None) -> tuple[list[SourceEntry], BinaryIO]:
     """Describe the entries of a tar / tar.gz / tar.zst stream (read once, front to back).
 
@@ -278,21 +327,10 @@ def scan_tar(fileobj: BinaryIO, *, spool_dir: str | None = None) -> tuple[list[S
     try:
         for ti in tf:
             path = canonical_path(ti.name, where="tar input")
-            name = path.rpartition("/")[2]
-            xattrs = {}
-            for k, v in sorted(ti.pax_headers.items()):
-                if k.startswith("SCHILY.xattr."):
-                    xname = k[len("SCHILY.xattr."):]
-                    if keep_xattr(xname):
-                        xattrs[xname] = v.encode("utf-8", "surrogateescape")
-            base = dict(mode=ti.mode & 0o7777, uid=ti.uid, gid=ti.gid, mtime=int(ti.mtime))
-            if name == OPAQUE_NAME:
-                e = SourceEntry(path, "opaque", mode=0, mtime=base["mtime"])
-            elif name.startswith(WHITEOUT_PREFIX):
-                if name == WHITEOUT_PREFIX:
-                    raise LayerInputError("whiteout without a name", path=path)
-                e = SourceEntry(path, "whiteout", mode=0, mtime=base["mtime"])
-            elif ti.isreg():
+            e, target = _tar_entry(ti, path)
+            if target is not None:
+                hardlinks.append((e, target))
+            elif e.type == "file":
                 src = tf.extractfile(ti)
                 start = spool_pos
                 remaining = ti.size
@@ -303,25 +341,7 @@ def scan_tar(fileobj: BinaryIO, *, spool_dir: str | None = None) -> tuple[list[S
                     os.pwrite(spool_fd, buf, spool_pos)  # pwrite: no implicit buffering to flush
                     spool_pos += len(buf)
                     remaining -= len(buf)
-                e = SourceEntry(path, "file", size=ti.size, xattrs=xattrs,
-                                opener=SpoolOpener(spool_fd, start, ti.size), **base)
-            elif ti.isdir():
-                e = SourceEntry(path, "dir", xattrs=xattrs, **base)
-            elif ti.issym():
-                if not ti.linkname:
-                    raise LayerInputError("symlink with an empty target", path=path)
-                e = SourceEntry(path, "symlink", link=ti.linkname, xattrs=xattrs, **base)
-            elif ti.islnk():
-                target = canonical_path(ti.linkname, where="hardlink target")
-                e = SourceEntry(path, "file", xattrs=xattrs, **base)
-                hardlinks.append((e, target))
-            elif ti.ischr() or ti.isblk():
-                e = SourceEntry(path, "char" if ti.ischr() else "block", devmajor=ti.devmajor,
-                                devminor=ti.devminor, xattrs=xattrs, **base)
-            elif ti.isfifo():
-                e = SourceEntry(path, "fifo", xattrs=xattrs, **base)
-            else:
-                raise LayerInputError(f"unsupported tar entry type {ti.type!r}", path=path)
+                e.opener = SpoolOpener(spool_fd, start, ti.size)
             if path in by_path and by_path[path].type == "dir" and e.type == "dir":
                 by_path[path] = e  # a later directory header only updates metadata
             else:
@@ -341,13 +361,131 @@ def scan_tar(fileobj: BinaryIO, *, spool_dir: str | None = None) -> tuple[list[S
         if t is None or t is e:
             spool.close()
             raise LayerInputError(f"hardlink to {target!r}, which is not in the archive", path=e.path)
-        if t.type not in ("file", "symlink", "char", "block", "fifo"):
-            spool.close()
-            raise LayerInputError(f"hardlink to a {t.type} entry {target!r}", path=e.path)
         if t.link_key is None:
             t.link_key = ("tar", t.path)
-        # a hardlink shares everything with its target except its name
-        e.type, e.mode, e.uid, e.gid, e.mtime = t.type, t.mode, t.uid, t.gid, t.mtime
-        e.size, e.link, e.devmajor, e.devminor = t.size, t.link, t.devmajor, t.devminor
-        e.xattrs, e.opener, e.link_key = t.xattrs, t.opener, t.link_key
+        try:
+            _link_to(e, t, target)
+        except LayerInputError:
+            spool.close()
+            raise
     return list(by_path.values()), spool
+
+
+def _parent_dir(path: str) -> str:
+    return path.rpartition("/")[0] or "."
+
+
+def iter_tar_stream(fileobj: BinaryIO, *, drop_whiteouts: bool = False) -> Iterator[SourceEntry]:
+    """The entries of an uncompressed tar stream in the stream's own order, read once, front to back.
+
+    A regular file's opener reads its content straight from the stream and is valid only until the
+    next entry is asked for (the builder reads a file before it asks). Entries are what
+    :func:`scan_tar` would give for the same stream, squashed alone as one OCI layer: hardlinks share
+    their target's fields and identity, whiteouts are whiteout/opaque entries, or are dropped with
+    ``drop_whiteouts`` (a bottom layer has nothing below it to hide).
+
+    The layer format wants the root first; tar writers that put it later (mmdebstrap writes ``./dev``
+    first) have it moved to the front when only entries without content (at most
+    ``_ROOT_LOOKAHEAD``) come before it. A single pass cannot see what comes later, so a stream that
+    needs it raises :class:`StreamOrderError` (nothing Docker or umoci writes): a path that
+    comes twice, the root after a file's content, a hardlink to a later entry, and -- keeping
+    whiteouts -- a whiteout of a path this layer also holds, or one that would hide whiteouts this
+    layer already had.
+    """
+    return _root_first(_tar_stream_entries(fileobj, drop_whiteouts))
+
+
+_ROOT_LOOKAHEAD = 10_000  # entries without content held back while looking for the root
+
+
+def _root_first(entries: Iterator[SourceEntry]) -> Iterator[SourceEntry]:
+    ahead: list[SourceEntry] | None = []
+    for e in entries:
+        if ahead is None:
+            if e.path == ".":
+                raise StreamOrderError("the root directory comes after file contents", path=e.path)
+            yield e
+        elif e.path == ".":
+            yield e
+            yield from ahead
+            ahead = None
+        elif e.opener is None and len(ahead) < _ROOT_LOOKAHEAD:
+            ahead.append(e)  # no content to read before the stream moves on: it can wait
+        else:
+            yield from ahead
+            ahead = None
+            yield e
+    if ahead:
+        yield from ahead
+
+
+def _tar_stream_entries(fileobj: BinaryIO, drop_whiteouts: bool) -> Iterator[SourceEntry]:
+    try:
+        tf = tarfile.open(fileobj=fileobj, mode="r|")
+    except (tarfile.TarError, OSError) as e:
+        raise LayerInputError(f"not a readable tar stream: {e}") from None
+    seen: dict[str, SourceEntry] = {}
+    hidden: set[str] = set()  # paths a whiteout of this stream hides (kept whiteouts only)
+    marked: set[str] = set()  # directories with a whiteout or opaque entry of this stream somewhere below
+    try:
+        while True:
+            ti = tf.next()
+            if ti is None:
+                break
+            tf.members.clear()  # tarfile keeps every header it has read; a single pass needs none of them
+            path = canonical_path(ti.name, where="tar input")
+            if path in seen:
+                raise StreamOrderError("the path comes twice in the stream", path=path)
+            e, target = _tar_entry(ti, path)
+            seen[path] = e
+            if e.type in ("whiteout", "opaque"):
+                if drop_whiteouts:
+                    continue
+                parent = _parent_dir(path)
+                if e.type == "whiteout":
+                    gone = _join_path(parent, path.rpartition("/")[2][len(WHITEOUT_PREFIX):])
+                    if gone in seen or gone in marked:
+                        raise StreamOrderError("a whiteout of a path this layer also has, or hides whiteouts of",
+                                               path=path)
+                    hidden.add(gone)
+                elif parent in marked:
+                    raise StreamOrderError("an opaque directory after whiteouts inside it", path=path)
+                d = parent
+                while d not in marked:
+                    marked.add(d)
+                    if d == ".":
+                        break
+                    d = _parent_dir(d)
+            elif path in hidden:
+                raise StreamOrderError("an entry after a whiteout of it in the same layer", path=path)
+            if target is not None:
+                t = seen.get(target)
+                if t is None or t is e:
+                    raise StreamOrderError(f"hardlink to {target!r}, which has not come before it", path=path)
+                _link_to(e, t, target)
+            elif e.type == "file" and e.size:
+                e.opener = _TarMember(tf, ti)
+            if e.type not in ("dir", "whiteout", "opaque") and e.link_key is None:
+                e.link_key = path  # any later entry may be a hardlink to it: the builder must know its holder
+            yield e
+            e.opener = None  # read by now; let the header go
+    except tarfile.TarError as e:
+        raise LayerInputError(f"corrupt tar stream: {e}") from None
+
+
+def _join_path(parent: str, name: str) -> str:
+    return name if parent == "." else f"{parent}/{name}"
+
+
+class _TarMember:
+    """Opens a file's content in a tar stream (once, while the stream is at it)."""
+
+    __slots__ = ("tf", "ti")
+
+    def __init__(self, tf: tarfile.TarFile, ti: tarfile.TarInfo):
+        self.tf, self.ti = tf, ti
+
+    def __call__(self) -> BinaryIO:
+        f = self.tf.extractfile(self.ti)
+        assert f is not None
+        return f  # type: ignore[return-value]

@@ -43,6 +43,17 @@ def answer(query_wire: bytes, names: Mapping[str, Sequence[ipaddress.IPv4Address
     return resp.to_wire()
 
 
+def question_name(query_wire: bytes) -> str | None:
+    """The name a query asks about (lower case, no final dot); None for what is not one query."""
+    try:
+        query = dns.message.from_wire(query_wire)
+    except (dns.exception.DNSException, ValueError):
+        return None
+    if query.flags & dns.flags.QR or len(query.question) != 1:
+        return None
+    return str(query.question[0].name.to_text(omit_final_dot=True).lower())
+
+
 def resolve(host: str, *, server: str | None, timeout_s: float = 3.0) -> tuple[ipaddress.IPv4Address, ...]:
     """A host name's IPv4 addresses: from ``server`` (``ADDR`` or ``ADDR:PORT``), else the node's
     own resolver. Blocking. An empty tuple when the name has no address; OSError-like failures

@@ -6,6 +6,11 @@ whose alias ``<table>:<env id>`` lets gc find it after a crash, nftables chains 
 table, an optional token bucket per direction, and a resolver on the gateway answering only the
 allowed names. What was set up is written to ``<env dir>/net.json`` *before* it is set up, so a
 daemon that dies at any point leaves a record that teardown or gc can follow.
+
+A restricted env (a tenant's: ``EgressPolicy.restricted``, kept in its saved policy, so it holds
+after a restart, for every policy change and for the name refresh) never gets an allow entry
+inside :class:`~weenv.net._policy.Reserved` (refused at its start and at every change) nor a DNS
+answer there (dropped, logged and counted, at every resolution).
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import hashlib
 import ipaddress
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -23,9 +27,9 @@ import msgspec
 import trio
 
 from .._atomic import atomic_write
-from . import _dns, _host, _nft
-from ._policy import (SLOT_PREFIX, EgressPolicy, Resolved, change_policy, free_slot, parse_range,
-                      policy_from_builtins, slot)
+from . import _dns, _host, _nft, _resolver
+from ._policy import (SLOT_PREFIX, EgressPolicy, PolicyError, Reserved, Resolved, change_policy, free_slot,
+                      parse_entry, parse_range, policy_from_builtins, restricted_problems, slot)
 
 log = logging.getLogger("weenv.net")
 
@@ -48,14 +52,24 @@ class NetState(msgspec.Struct, kw_only=True):
     resolved: dict[str, list[str]] = {}
     resolved_s: float = 0.0
     generation: int = 1  # of the policy in force: stamped on the env's connections (_nft.GEN_MASK)
+    dns_dropped: dict[str, list[str]] = {}  # a restricted env's reserved answers, at the last resolution
+    dns_answers_dropped: int = 0  # ... and how many were dropped, all resolutions together
 
     def wiring(self) -> _nft.EnvWiring:
         return _nft.EnvWiring(key=self.key, veth=self.veth, address=ipaddress.IPv4Address(self.address),
                               gateway=ipaddress.IPv4Address(self.gateway))
 
     def public(self) -> dict[str, Any]:
-        return {"mode": "egress", "address": self.address, "gateway": self.gateway, "netns": self.netns,
-                "veth": self.veth, **self.policy, "policy": dict(self.policy), "resolved": self.resolved}
+        out = {"mode": "egress", "address": self.address, "gateway": self.gateway, "netns": self.netns,
+               "veth": self.veth, **self.policy, "policy": dict(self.policy), "resolved": self.resolved}
+        if self.policy.get("restricted"):
+            out["dns_dropped"] = self.dns_dropped
+        return out
+
+    def note_dropped(self, resolved: Resolved) -> None:
+        """What a resolution of a restricted env's names dropped."""
+        self.dns_dropped = {h: [str(a) for a in addrs] for h, addrs in resolved.dropped.items()}
+        self.dns_answers_dropped += sum(len(addrs) for addrs in resolved.dropped.values())
 
 
 class NetChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -164,14 +178,34 @@ class EgressNetwork:
 
     def nameserver(self, env_id: str) -> str | None:
         st = self.states.get(env_id)
-        if st is None or policy_from_builtins(st.policy).dns != "node":
+        if st is None or policy_from_builtins(st.policy).dns == "none":
             return None
         return st.gateway
 
-    async def _resolve(self, policy: EgressPolicy) -> Resolved:
+    def reserved(self) -> Reserved:
+        """What a restricted env can never reach on this node, now (its addresses can change). Blocking."""
+        return Reserved(self.range, _host.node_addresses())
+
+    def restricted_problems(self, policy: EgressPolicy) -> list[PolicyError]:
+        """The allow entries of ``policy`` that a restricted env may not have (by their place in
+        ``policy.allow``); none for a policy that is not restricted. Blocking."""
+        return restricted_problems(policy.allow, self.reserved()) if policy.restricted else []
+
+    async def _resolve(self, policy: EgressPolicy, env_id: str) -> Resolved:
+        """The addresses of the policy's names. A restricted env's answers inside a reserved range
+        are dropped (and logged): a name rebound to link-local, loopback, another env or the node
+        resolves, for that env, to the rest of its answers, or to nothing."""
         out = Resolved()
+        reserved = await trio.to_thread.run_sync(self.reserved) if policy.restricted else None
         for host in policy.hosts:
             addrs = await trio.to_thread.run_sync(lambda h=host: _dns.resolve(h, server=self.dns_server))
+            if reserved is not None:
+                addrs, dropped = reserved.split(addrs)
+                if dropped:
+                    out.dropped[host] = dropped
+                    log.warning("env %s: DNS answers for %s dropped: %s (a tenant env is never pinned to %s)",
+                                env_id, host, ", ".join(str(a) for a in dropped),
+                                "; ".join(dict.fromkeys(str(reserved.why(a)).rstrip(",") for a in dropped)))
             out.addresses[host] = addrs
         return out
 
@@ -196,9 +230,14 @@ class EgressNetwork:
             st = self.reserve(env_id, policy)
         done = self._pending[env_id]
         try:
+            if policy.restricted:  # the daemon's create checked it already; the node may have changed since
+                problems = await trio.to_thread.run_sync(self.restricted_problems, policy)
+                if problems:
+                    raise problems[0]
             await self.ensure_base()
-            resolved = await self._resolve(policy) if policy.hosts else Resolved()
+            resolved = await self._resolve(policy, env_id) if policy.hosts else Resolved()
             st.resolved, st.resolved_s = resolved.to_builtins(), time.time()
+            st.note_dropped(resolved)
 
             def wire() -> None:
                 # recorded before anything exists in the kernel, with the pinned addresses: teardown and
@@ -326,7 +365,12 @@ class EgressNetwork:
         async with self._env_lock(env_id):
             st = self.states[env_id]
             policy = change_policy(policy_from_builtins(st.policy), allow=allow, deny=deny, remove=remove)
-            resolved = await self._resolve(policy)
+            if policy.restricted:  # whoever asks: the env is a tenant's. Named by their place in the change
+                problems = restricted_problems([parse_entry(t) for t in allow],
+                                               await trio.to_thread.run_sync(self.reserved))
+                if problems:
+                    raise problems[0]
+            resolved = await self._resolve(policy, env_id)
             await self._apply(env_dir, st, policy, resolved, _nft.next_generation(st.generation))
             return st
 
@@ -335,16 +379,23 @@ class EgressNetwork:
         await trio.to_thread.run_sync(lambda: _host.nft(
             _nft.render_policy_change(self.table, st.wiring(), policy, resolved, self.range, generation),
             what="policy change"))
+        was = policy_from_builtins(st.policy).dns
         st.policy, st.resolved, st.resolved_s = policy.to_builtins(), resolved.to_builtins(), time.time()
         st.generation = generation
+        st.note_dropped(resolved)
         await trio.to_thread.run_sync(self._save, env_dir, st)
+        if was == "node" and policy.dns == "forward":  # the resolver starts again, forwarding
+            scope = self._dns_scopes.pop(st.env_id, None)
+            if scope is not None:
+                scope.cancel()
+            self._dns_names.pop(st.env_id, None)
         names = self._dns_names.get(st.env_id)
         if names is not None:  # the running resolver answers the new names from its next query on
             names.clear()
             names.update(self._allowed_names(st))
         else:
             self._serve_dns(st)
-            if policy.dns == "node":  # the env had no resolver: /etc/resolv.conf now names its gateway
+            if policy.dns != "none":  # the env had no resolver: /etc/resolv.conf now names its gateway
                 await trio.to_thread.run_sync(_point_resolv_conf, env_dir, st.gateway)
 
     async def refresh_loop(self, env_dir_of: Any) -> None:
@@ -365,17 +416,21 @@ class EgressNetwork:
         if not policy.hosts:
             return
         try:
-            resolved = await self._resolve(policy)
-        except ValueError as e:
+            resolved = await self._resolve(policy, env_id)
+        except (ValueError, _host.NetError) as e:
             log.warning("env %s: re-resolving its allowed names: %s (keeping the old addresses)", env_id, e)
             return
         async with self._env_lock(env_id):
             wiring = self._pending.get(env_id)
             if (self.states.get(env_id) is not st or (wiring is not None and not wiring.is_set())
-                    or st.policy != policy_seen or resolved.to_builtins() == st.resolved):
-                return  # gone, still being wired, changed since, or nothing moved
+                    or st.policy != policy_seen):
+                return  # gone, still being wired, or changed since
             try:
-                await self._apply(env_dir_of(env_id), st, policy, resolved, st.generation)
+                if resolved.to_builtins() != st.resolved:
+                    await self._apply(env_dir_of(env_id), st, policy, resolved, st.generation)
+                elif resolved.dropped:  # nothing moved, but reserved answers were dropped again: counted
+                    st.note_dropped(resolved)
+                    await trio.to_thread.run_sync(self._save, env_dir_of(env_id), st)
             except (_host.NetError, OSError) as e:
                 log.warning("env %s: re-pinning its allowed names failed: %s (kept the old addresses)", env_id, e)
 
@@ -428,7 +483,10 @@ class EgressNetwork:
         st = self.states.get(env_id)
         if st is None:
             return None
-        return {**st.public(), "counters": self._last_counters.get(env_id, {})}
+        counters = self._last_counters.get(env_id, {})
+        if st.policy.get("restricted"):
+            counters = {**counters, "dns_answers_dropped": st.dns_answers_dropped}
+        return {**st.public(), "counters": counters}
 
     async def prometheus_text(self) -> str:
         counts = await self.counters()
@@ -508,29 +566,13 @@ class EgressNetwork:
         return {h: tuple(ipaddress.IPv4Address(a) for a in addrs) for h, addrs in st.resolved.items() if h in allowed}
 
     def _serve_dns(self, st: NetState) -> None:
-        if self.nursery is None or policy_from_builtins(st.policy).dns != "node":
+        dns_mode = policy_from_builtins(st.policy).dns
+        if self.nursery is None or dns_mode == "none":
             return
         scope = trio.CancelScope()
         self._dns_scopes[st.env_id] = scope
         names = self._dns_names[st.env_id] = self._allowed_names(st)
-        self.nursery.start_soon(self._dns_task, st.gateway, names, scope)
-
-    async def _dns_task(self, gateway: str, names: dict[str, tuple[ipaddress.IPv4Address, ...]],
-                        scope: trio.CancelScope) -> None:
-        with scope:
-            sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            with sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # beside a resolver on *:53
-                try:
-                    await sock.bind((gateway, 53))
-                except OSError as e:
-                    log.error("resolver on %s:53: %s", gateway, e)
-                    return
-                while True:
-                    data, peer = await sock.recvfrom(4096)
-                    reply = _dns.answer(data, names)
-                    if reply is not None:
-                        try:
-                            await sock.sendto(reply, peer)
-                        except OSError:
-                            pass
+        forwarder = _resolver.Forwarder(lambda h: _dns.resolve(h, server=self.dns_server),
+                                        lambda: policy_from_builtins(st.policy), self.range,
+                                        self.reserved) if dns_mode == "forward" else None
+        self.nursery.start_soon(_resolver.serve, st.gateway, names, scope, forwarder)

@@ -26,6 +26,10 @@ next packet (either direction): still allowed → re-stamped (fast again, not co
 connection); denied → refused (chain ``rst``): a packet from the env is answered with a tcp reset,
 the peer's first packet is turned into a reset on its way to the env and its next one answered
 with a reset, so both ends lose the connection whichever speaks first.
+
+A restricted (tenant) policy renders no accept for the node's ports nor for anything inside the
+implicit denies or the egress range, whatever it holds (its entries and DNS answers there are
+refused or dropped before: see :mod:`._policy`).
 """
 
 from __future__ import annotations
@@ -191,7 +195,9 @@ def render_env_rules(table: str, w: EnvWiring, policy: EgressPolicy, resolved: R
             continue  # a name that resolved to nothing allows nothing
         early = [n for n in nets if _inside_implicit(n, egress_range)]
         rest = [n for n in nets if n not in early]
-        if early:  # named explicitly inside an implicit deny: allowed before it
+        if early and not policy.restricted:  # named explicitly inside an implicit deny: allowed before it
+            # (a tenant's policy never has such an entry or answer, refused or dropped before: and
+            # should one get here, it stays denied)
             lines += [f"{p} {_match(early)}{ports} goto a_{k}" for ports in _original_ports(e)]
         if rest:
             late += [f"{p} {_match(rest)}{ports} goto a_{k}" for ports in _original_ports(e)]
@@ -208,10 +214,10 @@ def render_env_rules(table: str, w: EnvWiring, policy: EgressPolicy, resolved: R
     for e in policy.deny:
         if e.kind == "node" or (e.kind == "cidr" and e.network is not None and w.gateway in e.network):
             lines.append(f"{i} ip daddr {w.gateway}{_ports(e)} {refuse}")
-    if policy.dns == "node":
+    if policy.dns != "none":
         lines.append(f"{i} ip daddr {w.gateway} meta l4proto {{ tcp, udp }} th dport 53 {restamp} accept")
     for e in policy.allow:
-        if e.kind == "node":
+        if e.kind == "node" and not policy.restricted:  # a tenant's policy may not open the node (refused before)
             to = f"{i} ip daddr {w.gateway}{_ports(e)}"
             lines += [f"{to} {mark} == 0 {restamp} counter name {k}_conn accept", f"{to} {restamp} accept"]
     lines.append(f"{i} {refuse}")

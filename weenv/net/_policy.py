@@ -11,6 +11,12 @@ Entry grammar (docs/network.md)::
     ports  = port | port "-" port        (1-65535; tcp and udp; no ports: every protocol and port)
 
 ``node`` is the env's gateway: the node itself as the env sees it.
+
+A *restricted* policy (``EgressPolicy.restricted``: an env created for a tenant, a non-admin API
+key) can never open what :class:`Reserved` lists: the node, loopback, link-local, the other
+implicit denies, the egress range (other envs) and the node's own addresses. Its allow entries
+are checked with :func:`restricted_problems`, and DNS answers in those ranges are dropped
+(:meth:`Reserved.split`) before anything is pinned.
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 EntryKind = Literal["cidr", "node", "host"]
-DnsMode = Literal["node", "none"]
+DnsMode = Literal["node", "forward", "none"]
 
 #: Denied unless an allow entry names a network inside one of them explicitly: link-local (cloud
 #: metadata services live at 169.254.169.254), "this network", loopback, multicast, broadcast.
 IMPLICIT_DENY: tuple[ipaddress.IPv4Network, ...] = tuple(ipaddress.IPv4Network(n) for n in (
     "0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4"))
+_IMPLICIT_WORDS = dict(zip(IMPLICIT_DENY, (
+    '"this network" (0.0.0.0/8)', "loopback (127.0.0.0/8)",
+    "link-local (169.254.0.0/16, where cloud metadata services live)", "multicast (224.0.0.0/4)",
+    "the reserved range 240.0.0.0/4")))
 
 _LABEL = r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)"
 _HOST = re.compile(rf"^{_LABEL}(\.{_LABEL})*\.?$")
@@ -123,6 +133,7 @@ class EgressPolicy:
     deny: tuple[Entry, ...] = ()
     bandwidth_bps: int | None = None
     dns: DnsMode = "none"
+    restricted: bool = False  # a tenant's env: nothing in Reserved can ever be opened (module docstring)
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -138,6 +149,16 @@ class EgressPolicy:
         """The names the env's resolver answers."""
         return tuple(dict.fromkeys(e.host for e in self.allow if e.host is not None))
 
+    def reaches(self, addr: ipaddress.IPv4Address, others: ipaddress.IPv4Network | None = None) -> bool:
+        """Whether some port of ``addr`` is open by the CIDR entries (what a forwarded DNS answer may
+        name): deny wins, and an implicit deny (``others``: the egress range) gives way only to an
+        allow entry inside it."""
+        if any(e.network is not None and e.ports is None and addr in e.network for e in self.deny):
+            return False
+        closed = [n for n in (*IMPLICIT_DENY, *([others] if others is not None else [])) if addr in n]
+        return any(e.network is not None and addr in e.network and all(e.network.subnet_of(n) for n in closed)
+                   for e in self.allow if e.kind == "cidr")
+
     def node_ports(self) -> tuple[tuple[int, int] | None, ...]:
         """Port ranges of the node the env may reach (None: every port)."""
         return tuple(e.ports for e in self.allow if e.kind == "node")
@@ -146,15 +167,20 @@ class EgressPolicy:
         out: dict = {"allow": [e.text for e in self.allow], "deny": [e.text for e in self.deny], "dns": self.dns}
         if self.bandwidth_bps is not None:
             out["bandwidth_bps"] = self.bandwidth_bps
+        if self.restricted:
+            out["restricted"] = True
         return out
 
 
 def parse_policy(allow: list[str] | tuple[str, ...] = (), deny: list[str] | tuple[str, ...] = (),
-                 bandwidth: str | int | None = None, dns: str | None = None) -> EgressPolicy:
+                 bandwidth: str | int | None = None, dns: str | None = None, *,
+                 restricted: bool = False) -> EgressPolicy:
     """Compile the fields of a plan's ``[network]`` table; :class:`PolicyError` names the bad one.
 
-    ``dns`` defaults to ``node`` when some allow entry is a host name, else ``none``. ``bandwidth``
-    may already be bits per second (an int)."""
+    ``dns`` defaults to ``node`` when some allow entry is a host name, else ``forward`` when one opens
+    every address (``0.0.0.0/0``: the env reaches what any name resolves to), else ``none``. ``bandwidth``
+    may already be bits per second (an int). ``restricted`` marks a tenant's policy; what it may
+    not allow is checked against the node by :func:`restricted_problems`, not here."""
     parsed: dict[str, list[Entry]] = {"allow": [], "deny": []}
     for name, entries in (("allow", allow), ("deny", deny)):
         for i, text in enumerate(entries):
@@ -171,11 +197,11 @@ def parse_policy(allow: list[str] | tuple[str, ...] = (), deny: list[str] | tupl
         except ValueError as e:
             raise PolicyError("bandwidth", str(e)) from None
     if dns is None:
-        dns = "node" if any(e.kind == "host" for e in parsed["allow"]) else "none"
-    if dns not in ("node", "none"):
-        raise PolicyError("dns", f"expected 'node' or 'none', got {dns!r}")
+        dns = _default_dns(parsed["allow"], "none")
+    if dns not in ("node", "forward", "none"):
+        raise PolicyError("dns", f"expected 'node', 'forward' or 'none', got {dns!r}")
     return EgressPolicy(allow=tuple(parsed["allow"]), deny=tuple(parsed["deny"]), bandwidth_bps=bps,
-                        dns=dns)  # type: ignore[arg-type]
+                        dns=dns, restricted=restricted)  # type: ignore[arg-type]
 
 
 def change_policy(policy: EgressPolicy, *, allow: list[str] = (), deny: list[str] = (),  # type: ignore[assignment]
@@ -199,10 +225,22 @@ def change_policy(policy: EgressPolicy, *, allow: list[str] = (), deny: list[str
     have_a, have_d = {_key(e) for e in kept_allow}, {_key(e) for e in kept_deny}
     allow_out = kept_allow + [e for e in new_allow if _key(e) not in have_a]
     deny_out = kept_deny + [e for e in new_deny if _key(e) not in have_d]
-    dns = policy.dns
-    if dns == "none" and any(e.kind == "host" for e in new_allow):
+    dns = policy.dns  # what the change opens: names (none -> node), every address (-> forward)
+    if _default_dns(allow_out, "none") == "forward":
+        dns = "forward"
+    elif dns == "none" and any(e.kind == "host" for e in new_allow):
         dns = "node"
-    return EgressPolicy(allow=tuple(allow_out), deny=tuple(deny_out), bandwidth_bps=policy.bandwidth_bps, dns=dns)
+    return EgressPolicy(allow=tuple(allow_out), deny=tuple(deny_out), bandwidth_bps=policy.bandwidth_bps, dns=dns,
+                        restricted=policy.restricted)
+
+
+def _default_dns(allow: list[Entry], otherwise: str) -> str:
+    """``node`` for allowed host names (answered from the pinned addresses), ``forward`` for an env that
+    reaches every address (every name asked of the node's resolver), else ``otherwise``."""
+    if otherwise == "forward" or any(e.kind == "cidr" and e.network is not None and e.network.prefixlen == 0
+                                     for e in allow):
+        return "forward"
+    return "node" if any(e.kind == "host" for e in allow) else otherwise
 
 
 def _key(e: Entry) -> tuple:
@@ -211,7 +249,63 @@ def _key(e: Entry) -> tuple:
 
 def policy_from_builtins(data: dict) -> EgressPolicy:
     """The inverse of :meth:`EgressPolicy.to_builtins` (the daemon's saved state)."""
-    return parse_policy(data.get("allow", ()), data.get("deny", ()), data.get("bandwidth_bps"), data.get("dns"))
+    return parse_policy(data.get("allow", ()), data.get("deny", ()), data.get("bandwidth_bps"), data.get("dns"),
+                        restricted=bool(data.get("restricted", False)))
+
+
+# -- tenants ---------------------------------------------------------------------------------
+
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """What a restricted (tenant) env can never reach, whatever its policy says: the implicit
+    denies (loopback, link-local, ...), the node-local ``egress_range`` (other envs) and the
+    node's own ``node_addresses`` (read from the node when the check is made: they can change)."""
+
+    egress_range: ipaddress.IPv4Network
+    node_addresses: frozenset[ipaddress.IPv4Address] = frozenset()
+
+    def why(self, net: ipaddress.IPv4Network | ipaddress.IPv4Address) -> str | None:
+        """What reserved range ``net`` (a network or one address) lies inside, in words; None when
+        it lies inside none. A *wider* network (``0.0.0.0/0``) is not reserved: the rules put the
+        implicit denies and the egress range before the allow entries that hold them, and the
+        node's own addresses are reached through its input chain, which no CIDR opens
+        (:mod:`._nft`); only an entry inside a reserved range could open it."""
+        if isinstance(net, ipaddress.IPv4Address):
+            net = ipaddress.IPv4Network(net)
+        for n in IMPLICIT_DENY:
+            if net.subnet_of(n):
+                return _IMPLICIT_WORDS[n]
+        if net.subnet_of(self.egress_range):
+            return f"the egress range {self.egress_range} (other envs)"
+        if net.prefixlen == 32 and net.network_address in self.node_addresses:
+            return f"{net.network_address}, an address of this node,"
+        return None
+
+    def split(self, addresses: tuple[ipaddress.IPv4Address, ...]
+              ) -> tuple[tuple[ipaddress.IPv4Address, ...], tuple[ipaddress.IPv4Address, ...]]:
+        """A name's DNS answers as (kept, dropped): the dropped ones are reserved."""
+        kept = tuple(a for a in addresses if self.why(a) is None)
+        return kept, tuple(a for a in addresses if a not in kept)
+
+
+def restricted_problems(entries: tuple[Entry, ...] | list[Entry], reserved: Reserved,
+                        name: str = "allow") -> list[PolicyError]:
+    """The allow entries a restricted policy may not have, each named by its place in ``entries``
+    (``allow[1]``): ``node`` (the node's own ports), and any network inside a reserved range.
+    Host names are checked when they are resolved (:meth:`Reserved.split`); deny entries are
+    always fine."""
+    problems = []
+    for i, e in enumerate(entries):
+        if e.kind == "node":
+            what = "the node's own ports are"
+        elif e.kind == "cidr" and e.network is not None and (why := reserved.why(e.network)) is not None:
+            what = f"{why} is"
+        else:
+            continue
+        problems.append(PolicyError(f"{name}[{i}]", f"{e.text!r}: {what} not open to tenant envs"))
+    return problems
 
 
 # -- addresses -------------------------------------------------------------------------------
@@ -266,6 +360,8 @@ class Resolved:
     """Addresses pinned for each host name (what the rules allow and the env's resolver answers)."""
 
     addresses: dict[str, tuple[ipaddress.IPv4Address, ...]] = field(default_factory=dict)
+    # answers of a restricted env's names that were reserved, and so not pinned (not in to_builtins)
+    dropped: dict[str, tuple[ipaddress.IPv4Address, ...]] = field(default_factory=dict)
 
     def of(self, host: str) -> tuple[ipaddress.IPv4Address, ...]:
         return self.addresses.get(host, ())

@@ -49,10 +49,13 @@ from ._model import MAX_INIT_BYTES as MAX_INIT_BYTES
 from ._model import MAX_LAYER_BYTES as MAX_LAYER_BYTES
 from ._model import MAX_MEMORY_BYTES as MAX_MEMORY_BYTES
 from ._model import MAX_MOUNTS as MAX_MOUNTS
+from ._model import MAX_VOLUMES as MAX_VOLUMES
+from ._model import VolumeMount as VolumeMount
 from ._model import MAX_PIDS as MAX_PIDS
 from ._model import MAX_TTL_S as MAX_TTL_S
 from ._model import CpuRange as CpuRange
 from ._model import Group as Group
+from ._model import ImageMeta as ImageMeta
 from ._model import Lock as Lock
 from ._model import LockedGroup as LockedGroup
 from ._model import MemoryRange as MemoryRange
@@ -75,12 +78,13 @@ from ._validate import exposed_host_path as exposed_host_path
 
 __all__ = ["CpuRange", "DEFAULT_CPU_MAX_CORES", "DEFAULT_CPU_MIN_CORES", "DEFAULT_DISK_BYTES",
            "DEFAULT_MEMORY_MAX_BYTES", "DEFAULT_MEMORY_MIN_BYTES", "DEFAULT_NETWORK", "DEFAULT_PIDS", "GROUP_CLASSES",
-           "Group", "HOST_PATHS", "LOCK_VERSION", "Lock", "LockError", "LockedGroup", "MAX_ARG_STRLEN", "MAX_CORES",
+           "Group", "HOST_PATHS", "ImageMeta", "LOCK_VERSION", "Lock", "LockError", "LockedGroup", "MAX_ARG_STRLEN", "MAX_CORES",
            "MAX_DISK_BYTES", "MAX_ENV_BYTES", "MAX_ENV_VARS", "MAX_GROUPS", "MAX_INIT_ARGS", "MAX_INIT_BYTES",
-           "MAX_LAYER_BYTES", "MAX_MEMORY_BYTES", "MAX_MOUNTS", "MAX_PIDS", "MAX_TTL_S", "MemoryRange", "Mount",
+           "MAX_LAYER_BYTES", "MAX_MEMORY_BYTES", "MAX_MOUNTS", "MAX_PIDS", "MAX_TTL_S", "MAX_VOLUMES", "MemoryRange",
+           "Mount",
            "Plan", "PlanError", "PlanSyntaxError", "PlanValidationError", "Problem", "Reference", "ResolvedGroup",
            "ResolvedGroupLike", "Resolver", "Resources", "apply_image_defaults", "apply_overrides", "dump_json_schema",
            "dump_plan", "exposed_host_path", "format_for_path", "format_size", "is_locked", "load_any", "load_lock",
            "load_plan", "load_text", "lock_plan", "parse_cpu_range", "parse_document", "parse_memory_range",
            "parse_ref", "parse_size", "plan_defaults_from_image", "plan_from_builtins", "plan_json_schema",
-           "plan_to_builtins", "verify_lock_group", "verify_manifest", "write_plan"]
+           "plan_to_builtins", "verify_lock_group", "verify_manifest", "VolumeMount", "write_plan"]

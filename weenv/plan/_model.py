@@ -54,6 +54,8 @@ MAX_INIT_BYTES = 512 * 1024
 MAX_INIT_ARGS = 4096
 MAX_GROUPS = 128  # overlayfs stacks at most 500 lowers; snapshots add theirs on top
 MAX_MOUNTS = 64
+MAX_VOLUMES = 32
+VOLUME_REF_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 LOCK_VERSION = 1
 
 GROUP_CLASSES: tuple[str, ...] = ("os", "toolchain", "harness", "evaluator", "task")
@@ -177,6 +179,15 @@ class Mount(_Strict, kw_only=True):
     target: Annotated[AbsPath, Meta(description="Path inside the environment; not /, /proc, /sys or /dev.")]
 
 
+class VolumeMount(_Strict, kw_only=True):
+    """A ``[[volumes]]`` table: a volume of the node (``weenv volume create``) mounted into the env."""
+
+    name: Annotated[str, Meta(pattern=VOLUME_REF_PATTERN, description=(
+        "The volume's name or id on the node (letters, digits, '_', '.', '-'; at most 63)."))]
+    path: Annotated[AbsPath, Meta(description="Where it appears in the env (absolute); not /, /proc, /sys or /dev.")]
+    read_only: Annotated[bool, Meta(description="Mount it read-only: writes fail with EROFS.")] = False
+
+
 class NetworkPolicy(_Strict, kw_only=True):
     """The ``[network]`` table: the mode and, for ``egress``, what the env may reach (docs/network.md)."""
 
@@ -189,9 +200,29 @@ class NetworkPolicy(_Strict, kw_only=True):
         "Dropped even when allow covers it."))] = []
     bandwidth: Annotated[str, Meta(pattern=BANDWIDTH_PATTERN, description=(
         'Rate limit of each direction, e.g. "100Mbit".'))] | None = None
-    dns: Annotated[Literal["node", "none"], Meta(description=(
-        "node: a resolver on the env's gateway that answers only allowed host names; none: no resolver. "
-        "Default: node when allow names a host, else none."))] | None = None
+    dns: Annotated[Literal["node", "forward", "none"], Meta(description=(
+        "node: a resolver on the env's gateway that answers only allowed host names; forward: it also asks "
+        "the node's resolver for any other name (answers the env may not reach are dropped); none: no "
+        "resolver. Default: node when allow names a host, else forward when allow opens 0.0.0.0/0, else none."))] | None = None
+
+
+PORT_PATTERN = r"^[0-9]{1,5}(/(tcp|udp|sctp))?$"
+MAX_IMAGE_LABELS = 1024
+
+
+class ImageMeta(_Strict, kw_only=True):
+    """The ``[image]`` table: what the OCI image an env was made from says beyond env, workdir and
+    user (those fill the plan's own fields). Kept for the APIs that speak images (E2B templates,
+    the Docker API); weenv's init never runs the image's command by itself."""
+
+    source: Annotated[str, Meta(max_length=4096, description="The image reference it was converted from.")] = ""
+    entrypoint: Annotated[list[Arg], Meta(max_length=MAX_INIT_ARGS, description="The image's Entrypoint.")] = []
+    cmd: Annotated[list[Arg], Meta(max_length=MAX_INIT_ARGS, description="The image's Cmd.")] = []
+    ports: Annotated[list[Annotated[str, Meta(pattern=PORT_PATTERN)]], Meta(max_length=1024, description=(
+        'Exposed ports, e.g. "8080/tcp" (documentation: an env\'s network is the plan\'s).'))] = []
+    labels: Annotated[dict[Annotated[str, Meta(min_length=1, max_length=1024)], Annotated[str, Meta(
+        max_length=MAX_ARG_STRLEN)]], Meta(max_length=MAX_IMAGE_LABELS, description="The image's labels.")] = {}
+    stop_signal: Annotated[str, Meta(max_length=32, description="The image's StopSignal.")] = ""
 
 
 class Plan(_Strict, kw_only=True):
@@ -219,6 +250,8 @@ class Plan(_Strict, kw_only=True):
     ttl_s: Annotated[float, Meta(gt=0, le=MAX_TTL_S, description=(
         "Seconds until the env is killed (at most 30 days); default: no TTL."))] | None = None
     mounts: Annotated[list[Mount], Meta(max_length=MAX_MOUNTS, description="Read-only host bind mounts.")] = []
+    volumes: Annotated[list[VolumeMount], Meta(max_length=MAX_VOLUMES, description=(
+        "Volumes of the node mounted into the env: persistent, shared by the envs that mount them."))] = []
     snapshot: Annotated[str, Meta(pattern=SNAPSHOT_PATTERN, description=(
         "Snapshot id to start from (reserved for snapshots); groups may then be empty."
     ))] | None = None
@@ -226,6 +259,13 @@ class Plan(_Strict, kw_only=True):
         "crun: a container (fast, dense); gvisor: the gVisor sandbox (runsc) for code nobody trusts, "
         "network none or loopback only (docs/security.md). Default: the node's (weenv daemon --runtime)."
     ))] | None = None
+    image: Annotated[ImageMeta, Meta(description=(
+        "Set when the plan was made from an OCI image (weenv pull, weenv up IMAGE): its command, "
+        "exposed ports and labels."))] | None = None
+    setuid: Annotated[bool, Meta(description=(
+        "Let setuid binaries (sudo, su) raise a process's privileges inside the env: its processes run "
+        "without no_new_privileges. Never beyond the env's root: the same capability bounding set, seccomp "
+        "filter, user namespace and mounts (docs/security.md). Default false."))] = False
 
 
 class Lock(Plan, kw_only=True):

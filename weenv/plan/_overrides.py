@@ -4,7 +4,7 @@ filling it from an image's config (``weenv pull``): the plan's own values always
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from ._codec import decode_builtins, plan_to_builtins
@@ -29,12 +29,13 @@ def apply_overrides(
     workdir: str | None = None,
     user: str | None = None,
     network: str | None = None,
+    volumes: Sequence[Mapping[str, Any]] | None = None,
 ) -> P:
     """A copy of ``plan`` (a :class:`Lock` stays a lock) with the given values replaced.
 
     ``cpu``: ``0.5`` or ``"0.5"`` sets min and max to 0.5 cores; ``"0.25-2"`` or ``(0.25, 2)`` a
     range. ``memory``: ``"1GiB"`` or bytes sets both; ``"512MiB-2GiB"`` a range. ``env`` is merged
-    over the plan's (its keys win). ``None`` leaves a value as it is. The result is validated like
+    over the plan's (its keys win); ``volumes`` (``[[volumes]]`` tables) are mounted beside the plan's. ``None`` leaves a value as it is. The result is validated like
     a file; errors name the override (``cpu: …``) and come from source ``overrides``.
     """
     data = plan_to_builtins(plan)
@@ -59,15 +60,19 @@ def apply_overrides(
             data[key] = value
     if env is not None:
         data["env"] = {**data.get("env", {}), **dict(env)}
+    if volumes:
+        data["volumes"] = [*data.get("volumes", []), *(dict(v) for v in volumes)]
     return decode_builtins(data, type(plan), source=OVERRIDES_SOURCE, fmt="json")
 
 
-def plan_defaults_from_image(config: Mapping[str, Any] | Any, *, command_as_init: bool = False) -> dict[str, Any]:
-    """Plan defaults (``env``, ``workdir``, ``user``) from an OCI image config.
+def plan_defaults_from_image(config: Mapping[str, Any] | Any, *, command_as_init: bool = False,
+                             source: str = "") -> dict[str, Any]:
+    """Plan defaults (``env``, ``workdir``, ``user``, the ``[image]`` table) from an OCI image config.
 
     ``config`` is the image config document (its ``config`` object is used), that object itself,
     or a ``weenv.registry.ImageConfig``; the OCI keys are ``Env`` (``["K=V", …]``),
-    ``WorkingDir``, ``User``, ``Entrypoint`` and ``Cmd``.
+    ``WorkingDir``, ``User``, ``Entrypoint``, ``Cmd``, ``ExposedPorts``, ``Labels`` and ``StopSignal``
+    (the last five go to the ``[image]`` table, with ``source``, the image reference, when given).
     Entrypoint + Cmd become ``init`` only with ``command_as_init=True``: an image's command is
     usually a shell or a server that exits or serves, while a weenv env wants a process that idles
     until it is told to run things. Empty values are left out. Raises
@@ -108,6 +113,19 @@ def plan_defaults_from_image(config: Mapping[str, Any] | Any, *, command_as_init
         argv = list(inner.get("Entrypoint") or []) + list(inner.get("Cmd") or [])
         if argv:
             out["init"] = argv
+    image: dict[str, Any] = {}
+    for oci_key, key in (("Entrypoint", "entrypoint"), ("Cmd", "cmd")):
+        if inner.get(oci_key):
+            image[key] = inner[oci_key]
+    ports = inner.get("ExposedPorts")
+    if ports:
+        image["ports"] = sorted(ports) if isinstance(ports, Mapping) else ports
+    if inner.get("Labels"):
+        image["labels"] = inner["Labels"]
+    if inner.get("StopSignal"):
+        image["stop_signal"] = inner["StopSignal"]
+    if image or source:
+        out["image"] = {"source": source, **image} if source else image
     if problems:
         raise PlanValidationError(IMAGE_SOURCE, problems)
     # Check the values with the plan's own rules (a throwaway plan around them).
@@ -122,11 +140,11 @@ def plan_defaults_from_image(config: Mapping[str, Any] | Any, *, command_as_init
 def apply_image_defaults(plan: P, defaults: Mapping[str, Any]) -> P:
     """``plan`` with ``defaults`` (from :func:`plan_defaults_from_image`) filled in where the plan
     says nothing: env is merged under the plan's (plan keys win); workdir, user, init only when
-    the plan leaves them unset."""
+    the plan leaves them unset (and the ``[image]`` table)."""
     data = plan_to_builtins(plan)
     if defaults.get("env"):
         data["env"] = {**dict(defaults["env"]), **data.get("env", {})}
-    for key in ("workdir", "user", "init"):
+    for key in ("workdir", "user", "init", "image"):
         if key in defaults and data.get(key) is None:
             data[key] = defaults[key]
     return decode_builtins(data, type(plan), source=IMAGE_SOURCE, fmt="json")

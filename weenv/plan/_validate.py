@@ -335,6 +335,25 @@ def check_plan(plan: Plan) -> list[Problem]:
             add(Problem(f"mounts[{i}].target", f"{target!r} is already mounted by mounts[{targets[target]}]"))
         else:
             targets[target] = i
+    taken = {t: f"mounts[{i}]" for t, i in targets.items()}
+    names: dict[str, int] = {}
+    for i, vol in enumerate(plan.volumes):
+        where = f"volumes[{i}]"
+        if normalised_path(vol.path) != vol.path:
+            add(Problem(f"{where}.path", f"{vol.path!r} is not a normalised path (write {normalised_path(vol.path)!r})"))
+        if vol.path == "/" or any(vol.path == p or vol.path.startswith(p + "/") for p in _FORBIDDEN_MOUNT_TARGETS):
+            add(Problem(f"{where}.path", (
+                f"{vol.path!r} is not allowed: a mount on /, /proc, /sys or /dev (or below them) "
+                "would replace what the environment needs to run"
+            )))
+        if vol.path in taken:
+            add(Problem(f"{where}.path", f"{vol.path!r} is already mounted by {taken[vol.path]}"))
+        else:
+            taken[vol.path] = where
+        if vol.name in names:
+            add(Problem(f"{where}.name", f"volume {vol.name!r} is mounted already by volumes[{names[vol.name]}]"))
+        else:
+            names[vol.name] = i
     problems += _network_problems(plan)
     mode = plan.network if isinstance(plan.network, str) else plan.network.mode
     if plan.runtime == "gvisor" and mode not in ("none", "loopback"):

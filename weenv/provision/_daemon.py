@@ -21,9 +21,10 @@ from .runtime._agent import ensure_agent
 from .envs import EnvManager
 from .server import DaemonApi, Server
 from .elastic import Monitor
+from .elastic._history import History
 from .elastic._policy import PolicyConfig
 from .runtime._runtime import Runtime
-from .runtime._gvisor import node_runtime
+from .runtime._router import node_runtime
 from .cgroups import CgroupBackend, detect_backend
 
 log = logging.getLogger("weenv.daemon")
@@ -63,6 +64,10 @@ class DaemonConfig(msgspec.Struct, kw_only=True):
     pool_size: int = msgspec.field(default_factory=lambda: int(os.environ.get("WEENV_POOL_SIZE", "0") or 0))
     pool_idle_s: float = msgspec.field(  # a lock's pool is dropped after this long without a create
         default_factory=lambda: float(os.environ.get("WEENV_POOL_IDLE_S", "120") or 120))
+    # a frozen gVisor env is parked (its memory checkpointed to disk and freed) once it stayed paused
+    # this long, unless its pause says otherwise (None: off; env WEENV_PARK_AFTER_S; envs/_parking.py)
+    park_after_s: float | None = msgspec.field(
+        default_factory=lambda: float(os.environ["WEENV_PARK_AFTER_S"]) if os.environ.get("WEENV_PARK_AFTER_S") else None)
     # a group layer is kept as a local directory after this many env starts used it (0: never;
     # env WEENV_LAYER_TREES_AFTER), within this many bytes of trees (weenv/provision/_trees.py)
     layer_trees_after: int = msgspec.field(
@@ -149,7 +154,7 @@ class Daemon:
         self.manager = EnvManager(
             envs_dir=self.envs_dir, runtime=self.runtime, backend=self.backend, monitor=self.monitor,
             envlet=self.envlet, agent_path=agent_path, idmap=idmap, pool_size=c.pool_size,
-            pool_idle_s=c.pool_idle_s,
+            pool_idle_s=c.pool_idle_s, park_after_s=c.park_after_s,
             layer_trees=(c.layer_trees_after, c.layer_trees_size_bytes) if c.layer_trees_after > 0 else None,
             net=EgressNetwork(table=c.egress_table, egress_range=c.egress_range,
                               egress_interfaces=c.egress_interfaces, dns_server=c.egress_dns))
@@ -157,8 +162,9 @@ class Daemon:
         self._nursery: trio.Nursery | None = None
         self._stop = trio.Event()  # set by SIGTERM/SIGINT or POST /v1/daemon/stop
         self._stop_kill_envs = False
+        self.history = History()
         self.api = DaemonApi(manager=self.manager, monitor=self.monitor, request_stop=self.request_stop,
-                             started_s=self.started_s)
+                             started_s=self.started_s, history=self.history)
 
     # ------------------------------------------------------------------ envlet supervision
 
@@ -258,6 +264,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.monitor.run)
+            await nursery.start(self.history.run, self.monitor.snapshot)
             await nursery.start(self.manager.run)
             nursery.start_soon(self._supervise_envlet)
             await nursery.start(server.serve_unix, self.socket_path)
@@ -275,6 +282,7 @@ class Daemon:
             log.info("stop: %d envs kept running have hard memory limits until a daemon re-adopts them", hardened)
         # Background work is over (no envlet restart, no pool refill): the envlet goes too, unless
         # envs kept running stack its layers (then it serves them until `daemon stop --kill-envs`).
+        await trio.to_thread.run_sync(self.backend.stop_warming)
         live = [rec.id for rec in self.manager.envs.values() if rec.status in ("creating", "running", "paused")]
         if live:
             log.info("stopped; %d envs keep running, and the envlet keeps serving their layers", len(live))

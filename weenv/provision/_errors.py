@@ -23,6 +23,7 @@
      └── EnvError                     a daemon env operation failed (names the env id)
           ├── EnvNotFoundError        no env with that id
           ├── EnvStateError           the env is not in the state the operation needs
+          │    └── MemorySnapshotUnavailableError  its runtime cannot checkpoint memory (names why)
           ├── AdmissionError          the node cannot guarantee the env's minimum resources
           └── EnvStartError           the env could not start; its partial setup was undone
 
@@ -116,7 +117,11 @@ class ProcessNotFoundError(ContainerError, LookupError):
 
 class ProcessStateError(ContainerError):
     """Raised when a process cannot take the operation: stdin closed or never opened, no pty to
-    resize, or it already exited."""
+    resize (kind ``process_state``), or it already exited (:class:`ProcessExitedError`)."""
+
+
+class ProcessExitedError(ProcessStateError):
+    """Raised when the process an operation names has already exited (kind ``process_exited``)."""
 
 
 class ProcessStartError(ContainerError):
@@ -173,6 +178,11 @@ class EnvNotFoundError(EnvError, LookupError):
 
 class EnvStateError(EnvError):
     """Raised when an env is not in the state an operation needs (exec into a paused env, resume a running one)."""
+
+
+class MemorySnapshotUnavailableError(EnvStateError):
+    """Raised when a memory snapshot (park, commit or fork with memory) is asked of an env whose
+    runtime cannot checkpoint its processes: names the runtime and why (a 409; nothing was changed)."""
 
 
 class AdmissionError(EnvError):

@@ -3,6 +3,12 @@
 See docs/registry.md for REF forms, auth, the store layout and the artifact format.
 """
 
+from ._convert import ConvertedImage as ConvertedImage
+from ._convert import ConvertedLayer as ConvertedLayer
+from ._convert import convert_image as convert_image
+from ._convert import image_lock as image_lock
+from ._convert import is_image_ref as is_image_ref
+from ._convert import lock_for_image as lock_for_image
 from ._errors import ArtifactError as ArtifactError
 from ._errors import AuthError as AuthError
 from ._errors import BlobRangeError as BlobRangeError
@@ -41,9 +47,12 @@ from ._store import BlobReader as BlobReader
 from ._store import Descriptor as Descriptor
 from ._store import Store as Store
 
-__all__ = ["ArtifactError", "AuthError", "BlobRangeError", "BlobReader", "Descriptor", "ExportResult",
-           "GROUP_ARTIFACT_TYPE", "GROUP_CLASSES", "GroupInfo", "ImageConfig", "IntegrityError", "LayoutStore",
-           "NotFoundError", "ProtocolError", "PublishResult", "PullResult", "PulledGroup", "Ref", "RefError",
-           "RegistryError", "RegistryUnavailableError", "RemoteStore", "RetryPolicy", "Store", "StoreError",
-           "export_oci", "image_config", "local_store_path", "mapped_errors", "open_layer_ref", "open_store",
-           "parse_groups_spec", "parse_ref", "publish", "publish_layer_file", "pull", "resolve_group"]
+__all__ = [
+    "ArtifactError", "AuthError", "BlobRangeError", "BlobReader", "ConvertedImage", "ConvertedLayer", "Descriptor",
+    "ExportResult", "GROUP_ARTIFACT_TYPE", "GROUP_CLASSES", "GroupInfo", "ImageConfig", "IntegrityError",
+    "LayoutStore", "NotFoundError", "ProtocolError", "PublishResult", "PullResult", "PulledGroup", "Ref",
+    "RefError", "RegistryError", "RegistryUnavailableError", "RemoteStore", "RetryPolicy", "Store", "StoreError",
+    "convert_image", "export_oci", "image_config", "image_lock", "is_image_ref", "local_store_path", "lock_for_image",
+    "mapped_errors", "open_layer_ref", "open_store", "parse_groups_spec", "parse_ref", "publish",
+    "publish_layer_file", "pull", "resolve_group",
+]

@@ -82,6 +82,7 @@ class ImageSource:
     description: str  # what `org.opencontainers.image.source` records
     layers: list[LayerRef]
     config: dict[str, Any]
+    config_digest: str = ""  # the manifest's config descriptor's digest, where there is one
 
     def open_layer(self, layer: LayerRef) -> BinaryIO:
         raise NotImplementedError
@@ -157,6 +158,7 @@ class StoreImageSource(ImageSource):
             raw = b"".join(self.store.iter_blob(ref.repo, cfg["digest"], int(cfg["size"])))
             if sha256_digest(raw) != cfg["digest"]:
                 raise IntegrityError(f"{where}: config blob does not match {cfg['digest']}")
+            self.config_digest = cfg["digest"]
             try:
                 self.config = json.loads(raw)
             except ValueError:

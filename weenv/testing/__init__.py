@@ -2,10 +2,12 @@
 
 - fakes of the seams, for unit tests of logic: :class:`FakeRuntime` (containers in memory),
   :class:`FakeBackend` (cgroups with a workload model driven by a clock), :class:`FakeStore` (an
-  OCI store in memory), :class:`FakeChunkTier` (an envlet chunk tier in memory);
+  OCI store in memory), :class:`FakeChunkTier` (an envlet chunk tier in memory), :class:`ScriptedDaemon`
+  (a daemon client answering from a script, behind the API server in its unit tests);
 - real parts started privately: a weenv daemon (:class:`DaemonHandle`, :func:`busybox_plan`,
   :func:`teardown_private_daemon`; one egressing into a test-made network namespace,
-  :func:`egress_daemon` with :class:`Outside`), a docker-registry with fault-injecting proxies
+  :func:`egress_daemon` with :class:`Outside`), a private dockerd (:func:`start_dockerd`), a
+  docker-registry with fault-injecting proxies
   (:func:`start_registry`, :func:`start_proxy`), a fake SGLang server and slime's ``Sample``
   (:class:`FakeSGLang`, :class:`Sample`);
 - fixtures built once and cached outside the clone (:func:`cached`, :func:`debian_tar`,
@@ -16,9 +18,13 @@ pytest is not needed to import it: a missing host tool raises :class:`HostUnsupp
 pytest reports as a skip.
 """
 
+from ._api import ScriptedDaemon as ScriptedDaemon
 from ._cgroups import FakeBackend as FakeBackend
 from ._cgroups import FakeCgroup as FakeCgroup
 from ._daemon import DaemonHandle as DaemonHandle
+from ._docker import Dockerd as Dockerd
+from ._docker import start_dockerd as start_dockerd
+from ._docker import stop_dockerd as stop_dockerd
 from ._daemon import busybox_plan as busybox_plan
 from ._daemon import leftovers as leftovers
 from ._daemon import teardown_private_daemon as teardown_private_daemon
@@ -86,14 +92,14 @@ from ._slime import slime_args as slime_args
 from ._slime import train_side_checks as train_side_checks
 from ._slime import turns as turns
 
-__all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DOORS_SOURCE", "DaemonHandle", "ENV_VAR", "EgressDaemon",
+__all__ = ["BadEntry", "BuildError", "ByteTokenizer", "DEFAULT_ROOT", "DOORS_SOURCE", "DaemonHandle", "Dockerd", "ENV_VAR", "EgressDaemon",
            "FakeBackend", "FakeCgroup", "FakeChunkTier", "FakeCommand", "FakeRuntime", "FakeSGLang", "FakeStore",
            "Fault",
            "FixtureCacheError", "HostUnsupported", "LegacySample", "OUTSIDE_A", "OUTSIDE_B", "OUTSIDE_BIG_BYTES",
            "OUTSIDE_HOST", "OUTSIDE_NAMES", "OUTSIDE_OTHER_PORT", "OUTSIDE_PORT", "Outside", "PROBE_SOURCE", "Proxy",
-           "ProxyLog", "RegistryProcess", "Reply", "SHIPPED_DEVICES", "Sample", "attempts", "busybox_plan", "busybox_tree",
+           "ProxyLog", "RegistryProcess", "Reply", "SHIPPED_DEVICES", "Sample", "ScriptedDaemon", "attempts", "busybox_plan", "busybox_tree",
            "byte_tokenizer", "cache_root", "cached", "check_debian_tar", "check_executable", "check_file", "check_tar",
            "check_tree", "debian_tar", "debian_tar_name", "device_plan", "egress_daemon", "extracted", "find", "leftovers",
            "parse_rollout_result", "require_fuse", "require_root", "require_tool", "rollout_binary", "sampling_params",
-           "slime_args", "source_tree", "start_proxy", "start_registry", "stop_proxy", "stop_registry",
+           "slime_args", "source_tree", "start_dockerd", "start_proxy", "start_registry", "stop_dockerd", "stop_proxy", "stop_registry",
            "teardown_private_daemon", "train_side_checks", "turns", "wait_for", "weenv_links"]

@@ -123,13 +123,17 @@ def leftovers(handle: DaemonHandle) -> list[str]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mnt = line.split()[4]
-            if mnt.startswith(os.path.join(handle.home, "envs")):
+            if mnt.startswith((os.path.join(handle.home, "envs"), os.path.join(handle.home, "volumes"))):
                 problems.append(f"mount {mnt}")
+    loops = subprocess.run(["losetup", "-a", "-n", "-O", "NAME,BACK-FILE"], capture_output=True, text=True).stdout
+    problems += [f"loop device {line.split()[0]}" for line in loops.splitlines()
+                 if len(line.split()) > 1 and line.split()[1].startswith(handle.home + "/")]
     for hier in ("memory", "cpu", "pids", "freezer", "cpuacct"):
         base = f"/sys/fs/cgroup/{hier}"
         for dirpath, dirnames, _ in os.walk(base):
             if os.path.basename(dirpath) == handle.cgroup_root:
-                problems += [f"cgroup {dirpath}/{d}" for d in dirnames]
+                # the create path's scratch groups (cgroups/_warm.py) are not an env's: remove_parent takes them
+                problems += [f"cgroup {dirpath}/{d}" for d in dirnames if not d.startswith("_moves-")]
                 break
     crun_root = os.path.join(handle.home, "run", "crun")
     if os.path.isdir(crun_root):

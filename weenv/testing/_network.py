@@ -5,7 +5,8 @@ B = 198.18.X.3 (198.18.0.0/15 is reserved for benchmarking; the /24 is chosen by
 so two test runs on one machine do not install competing routes) behind a veth whose host end
 (198.18.X.2) is the test daemon's only ``--egress-interface``. HTTP servers listen on A:8000,
 A:8001 and B:8000, each serving ``/id`` (its own address and port) and ``/big`` (a few MiB); a
-DNS server on A:53 answers ``svc.test`` → A and ``other.test`` → B.
+DNS server on A:53 answers ``svc.test`` → A, ``other.test`` → B and ``meta.test`` → 169.254.169.254
+(a name rebound to the metadata address: a resolver must not hand it to an env).
 Every denied target of a test is one of these, so a policy bug cannot send a packet off the
 machine. :meth:`Outside.close` stops the servers (by PID) and removes the namespace and veth.
 """
@@ -30,7 +31,7 @@ _NET = f"198.{18 + _BLOCK // 256}.{_BLOCK % 256}"
 OUTSIDE_A, OUTSIDE_HOST, OUTSIDE_B = f"{_NET}.1", f"{_NET}.2", f"{_NET}.3"
 OUTSIDE_PORT, OUTSIDE_OTHER_PORT = 8000, 8001
 OUTSIDE_BIG_BYTES = 6 << 20
-OUTSIDE_NAMES = {"svc.test": OUTSIDE_A, "other.test": OUTSIDE_B}
+OUTSIDE_NAMES = {"svc.test": OUTSIDE_A, "other.test": OUTSIDE_B, "meta.test": "169.254.169.254"}
 
 _DNS_SERVER = r"""
 import socket, sys
@@ -124,6 +125,8 @@ class EgressDaemon(DaemonHandle):
 
     world: Outside
     left: list[str]
+    dns_server: str = OUTSIDE_A
+    """The resolver the daemon's egress DNS asks (the outside world's, unless a test runs its own)."""
 
     def start(self, timeout_s: float = 30.0) -> None:
         log = open(self.log_path, "ab")
@@ -131,7 +134,7 @@ class EgressDaemon(DaemonHandle):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weenv", "daemon", "--cgroup-root", self.cgroup_root,
              "--egress-interface", w.iface, "--egress-range", w.egress_range, "--egress-table", w.table,
-             "--egress-dns", OUTSIDE_A],
+             "--egress-dns", self.dns_server],
             env=self.env_vars(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         log.close()
         self.wait_ready(timeout_s)

@@ -4,7 +4,9 @@ conformance tests (tests/test_runtime.py) run against it and against crun alike.
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import os
 import signal
 import time
 from collections import deque
@@ -19,16 +21,18 @@ from weenv.provision._errors import (
     ContainerNotFoundError,
     ProcessNotFoundError,
     ProcessStartError,
+    ProcessExitedError,
     ProcessStateError,
     SpecError,
 )
 from weenv.provision.runtime._ocispec import User
 from weenv.provision.runtime._runtime import DEFAULT_MAX_OUTPUT_BYTES, ContainerState, ExecResult, Runtime
+from weenv.provision.runtime._seam import C, MemorySnapshots
 
 FakeCommand = Callable[[list[str], bytes], Awaitable[tuple[int, bytes, bytes]] | tuple[int, bytes, bytes]]
 
 
-class FakeRuntime(Runtime):
+class FakeRuntime(Runtime, MemorySnapshots):
     """Containers in memory, for unit tests of daemon logic. Commands are Python: a few built in
     (``true``, ``false``, ``echo``, ``cat``, ``sleep S``, ``exit N``, ``env``, ``pwd``, ``id``)
     and any others given as ``commands={"name": fn(argv, stdin) -> (code, out, err)}``.
@@ -36,9 +40,15 @@ class FakeRuntime(Runtime):
     Process handles behave as the agent's do (background, output kept while nobody reads, stdin,
     signals end the process with 128+N, pty size): ``cat`` echoes stdin as it comes, ``sleep S``
     waits, ``tty`` and ``stty size`` answer on a pty; other commands run as :meth:`exec` would,
-    once their stdin is closed."""
+    once their stdin is closed.
 
-    def __init__(self, commands: Mapping[str, FakeCommand] | None = None):
+    ``memory_snapshots``: its envs have the :class:`MemorySnapshots` capability (an image is the
+    container's record as JSON; background processes are not kept), else none, as crun's."""
+
+    memory_runtime = "fake"
+
+    def __init__(self, commands: Mapping[str, FakeCommand] | None = None, *, memory_snapshots: bool = False):
+        self.memory_snapshots = memory_snapshots
         self.commands = dict(commands or {})
         self.containers: dict[str, dict] = {}
         self.calls: list[tuple] = []
@@ -168,6 +178,35 @@ class FakeRuntime(Runtime):
             c["status"] = "stopped"
             c["pid"] = 0
 
+    async def capability(self, env_id: str, kind: type[C]) -> C | None:
+        await trio.lowlevel.checkpoint()
+        if kind is MemorySnapshots and not self.memory_snapshots:
+            return None
+        return self if isinstance(self, kind) else None  # type: ignore[return-value]
+
+    async def checkpoint(self, env_id: str, image_dir: str, *, leave_running: bool = False) -> None:
+        await trio.lowlevel.checkpoint()
+        self.calls.append(("checkpoint", env_id))
+        c = self._get(env_id)
+        if c["status"] != "running":
+            raise ContainerError(f"cannot checkpoint a {c['status']} sandbox (only a running one)", env_id=env_id)
+        if not os.path.isdir(image_dir) or os.listdir(image_dir):
+            raise ContainerError(f"the checkpoint's image directory {image_dir} must exist and be empty", env_id=env_id)
+        with open(os.path.join(image_dir, "checkpoint.img"), "w") as f:
+            json.dump({"pid": c["pid"], "spec": c["spec"]}, f)
+        if not leave_running:
+            del self.containers[env_id]
+            self.processes.pop(env_id, None)
+
+    async def restore(self, env_id: str, bundle_dir: str, rootfs: str, spec: Mapping, image_dir: str,
+                      cgroup_procs=()) -> int:
+        self.calls.append(("restore", env_id))
+        if not os.path.isfile(os.path.join(image_dir, "checkpoint.img")):
+            raise ContainerError(f"no checkpoint image in {image_dir} (no checkpoint.img)", env_id=env_id)
+        pid = await self.create(env_id, bundle_dir, rootfs, spec, cgroup_procs)
+        self.containers[env_id]["status"] = "running"
+        return pid
+
     async def delete(self, env_id, force=True) -> None:
         await trio.lowlevel.checkpoint()
         self.calls.append(("delete", env_id))
@@ -272,7 +311,7 @@ class FakeRuntime(Runtime):
         await trio.lowlevel.checkpoint()
         p = self._proc(env_id, pid)
         if p.end is not None:
-            raise ProcessStateError(f"process {pid} has exited", env_id=env_id)
+            raise ProcessExitedError(f"process {pid} has exited", env_id=env_id)
         if not p.stdin or p.stdin_closed:
             raise ProcessStateError(f"process {pid}: its stdin is closed (or was never opened: start it with stdin)",
                                     env_id=env_id)

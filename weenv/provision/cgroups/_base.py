@@ -226,6 +226,13 @@ class CgroupBackend(abc.ABC):
         ``weenv gc``; the daemon keeps its parent."""
         return False
 
+    def warm_moves(self) -> None:
+        """Ask now for the wait the next move of a process into a group may have (:mod:`._warm`):
+        blocking, for a worker thread, at the start of a create. A no-op where there is none."""
+
+    def stop_warming(self) -> None:
+        """End what :meth:`warm_moves` keeps (its parked process and scratch groups)."""
+
 
 # -- helpers shared by the kernel backends -----------------------------------------------------
 

@@ -22,6 +22,7 @@ from .._errors import CgroupUnavailableError
 from ._base import Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up, parse_flat_keyed
 from ._base import burst_us, parse_pressure, quota_us, read_meminfo, translate_oserror
 from ._fs import CgroupFs, FileCache
+from ._warm import SCRATCH_PREFIX, MoveWarmer, remove_scratch
 
 #: Controllers weenv uses on v1, in the order their directories are created (memory first: it is
 #: the hierarchy that decides whether a group exists).
@@ -424,6 +425,20 @@ class V1Backend(CgroupBackend):
                     raise exc from None
         self.features = self._probe_features()
         self._files = FileCache(self._fs)
+        self._warmer: MoveWarmer | None = None
+
+    def _new_warmer(self) -> MoveWarmer:  # one hierarchy is enough: the semaphore is the kernel's, global
+        return MoveWarmer(self._fs, self._parents.get("pids") or self._parents["memory"])
+
+    def warm_moves(self) -> None:
+        if self._warmer is None:
+            self._warmer = self._new_warmer()
+        self._warmer.kick()
+
+    def stop_warming(self) -> None:
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
 
     def _probe_features(self) -> frozenset[str]:
         fs = self._fs
@@ -498,7 +513,7 @@ class V1Backend(CgroupBackend):
                 entries = self._fs.listdir(d)
             except FileNotFoundError:
                 continue
-            names.update(e for e in entries if self._fs.isdir(f"{d}/{e}"))
+            names.update(e for e in entries if not e.startswith(SCRATCH_PREFIX) and self._fs.isdir(f"{d}/{e}"))
         return sorted(names)
 
     def node_memory(self) -> tuple[int, int]:
@@ -534,6 +549,8 @@ class V1Backend(CgroupBackend):
     def remove_parent(self) -> bool:
         if self.list():
             return False
+        self.stop_warming()
+        remove_scratch(self._fs, self._new_warmer().dirs)
         self._files.close()
         removed: list[str] = []
         for d in self.parent_dirs:

@@ -21,6 +21,7 @@ from .._errors import CgroupUnavailableError
 from ._base import Cgroup, CgroupBackend, CgroupSample, check_name, page_align_up, parse_flat_keyed
 from ._base import burst_us, parse_pressure, quota_us, read_meminfo, translate_oserror
 from ._fs import CgroupFs, FileCache
+from ._warm import SCRATCH_PREFIX, MoveWarmer, remove_scratch
 
 #: Controllers weenv enables for its groups when the daemon's cgroup delegates them.
 V2_CONTROLLERS = ("cpu", "memory", "pids")
@@ -297,6 +298,7 @@ class V2Backend(CgroupBackend):
                 raise exc from None
         self.features = self._enable_controllers()
         self._files = FileCache(self._fs)
+        self._warmer: MoveWarmer | None = None
 
     def _enable_controllers(self) -> frozenset[str]:
         fs = self._fs
@@ -354,7 +356,17 @@ class V2Backend(CgroupBackend):
             entries = self._fs.listdir(self.parent_dir)
         except FileNotFoundError:
             return []
-        return sorted(e for e in entries if self._fs.isdir(f"{self.parent_dir}/{e}"))
+        return sorted(e for e in entries if not e.startswith(SCRATCH_PREFIX) and self._fs.isdir(f"{self.parent_dir}/{e}"))
+
+    def warm_moves(self) -> None:
+        if self._warmer is None:
+            self._warmer = MoveWarmer(self._fs, self.parent_dir)
+        self._warmer.kick()
+
+    def stop_warming(self) -> None:
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
 
     def node_memory(self) -> tuple[int, int]:
         total, available = read_meminfo()
@@ -387,6 +399,8 @@ class V2Backend(CgroupBackend):
     def remove_parent(self) -> bool:
         if self.list():
             return False
+        self.stop_warming()
+        remove_scratch(self._fs, MoveWarmer(self._fs, self.parent_dir).dirs)
         self._files.close()
         try:
             self._fs.rmdir(self.parent_dir)

@@ -3,12 +3,13 @@
 - :mod:`._policy`: the pure policy (admission, doubling and halving decisions; no I/O);
 - :mod:`._monitor`: :class:`Monitor`, the trio task that samples every env's cgroup each tick,
   runs the policy and applies its decisions;
+- :mod:`._envstate`: what it keeps of each env (state, counters) and the per-env view;
 - :mod:`._prometheus`: the monitor's view rendered in the prometheus text format.
 """
 
-from ._monitor import EnvMetrics as EnvMetrics
+from ._envstate import EnvMetrics as EnvMetrics
+from ._envstate import MonitorStatistics as MonitorStatistics
 from ._monitor import Monitor as Monitor
-from ._monitor import MonitorStatistics as MonitorStatistics
 from ._policy import DEFAULT_POLICY as DEFAULT_POLICY
 from ._policy import Admission as Admission
 from ._policy import Decision as Decision

@@ -22,7 +22,7 @@
 
 from ._files import FileInfo as FileInfo
 from ._files import RootFS as RootFS
-from ._files import resolve_user as resolve_user
+from ._fileops import resolve_user as resolve_user
 from ._manager import EnvManager as EnvManager
 from ._snapshots import SnapshotNotFoundError as SnapshotNotFoundError
 from ._snapshots import SnapshotRecord as SnapshotRecord

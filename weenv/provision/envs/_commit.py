@@ -20,6 +20,8 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 
+from typing import Any
+
 import msgspec
 import trio
 
@@ -31,7 +33,7 @@ from ..cgroups import Cgroup
 from ..elastic._monitor import Monitor
 from ..runtime._idmap import DeviceNodeInTreeError, IdMap, make_tree_inert
 from . import _state
-from ._snapshots import (SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, SnapshotTrees,
+from ._snapshots import (MemoryImage, SnapshotLayer, SnapshotNotFoundError, SnapshotRecord, SnapshotStore, SnapshotTrees,
                          new_snapshot_id)
 from ._state import EnvRecord
 
@@ -41,13 +43,14 @@ log = logging.getLogger("weenv.daemon")
 class Snapshotter:
     """Commits and forks the envs in ``envs`` (looked up with ``get``, each under its ``env_lock``,
     frozen through its cgroup in ``cgroups``) into ``records`` and ``trees``; a fork starts its
-    children with ``start`` (a snapshot id: an env) and kills them with ``kill`` if one fails.
-    ``spawn`` runs the cache warming in the background (False: it is awaited)."""
+    children with ``start`` (a snapshot id, and ``restricted`` as the parent is: an env) and kills
+    them with ``kill`` if one fails. ``spawn`` runs the cache warming in the background (False: it
+    is awaited)."""
 
     def __init__(self, *, records: SnapshotStore, trees: SnapshotTrees, envs_dir: str, envs: dict[str, EnvRecord],
                  cgroups: dict[str, Cgroup], get: Callable[[str], EnvRecord], env_lock: Callable[[str], trio.Lock],
                  envlet: EnvletClient, monitor: Monitor, idmap: IdMap | None, spawn: Callable[..., bool],
-                 start: Callable[[str], Awaitable[EnvRecord]], kill: Callable[[str], Awaitable[None]]):
+                 start: Callable[..., Awaitable[EnvRecord]], kill: Callable[[str], Awaitable[None]]):
         self.records = records
         self.trees = trees
         self._envs_dir = envs_dir
@@ -63,6 +66,7 @@ class Snapshotter:
         self._kill = kill
         self._store: LayoutStore | None = None  # opened at first use: $WEENV_HOME is read then
         self.forking: set[str] = set()  # fork snapshots whose children are being started (gc keeps them)
+        self.memory_images: Any = None  # :class:`._memory.MemoryImages`: a memory snapshot's image goes with it
 
     def layout(self) -> LayoutStore:
         """The embedded store the snapshot layers go to."""
@@ -77,78 +81,93 @@ class Snapshotter:
             rec = self._get(env_id)
             if rec.status not in ("running", "paused"):
                 raise EnvStateError(f"is {rec.status}", env_id=env_id)
-            cg = self._cgroups[env_id]
-            froze = rec.status == "running"
-            store = self.layout()
-            upper = os.path.join(_state.upper_mount(self._envs_dir, env_id), "upper")
-            tmp = os.path.join(store.root, "blobs", "sha256", f".commit-{env_id}-{secrets.token_hex(4)}")
-            id_base = self._idmap.base if self._idmap is not None else 0
+            layer, copied, diff_bytes = await self.seal_upper(env_id, freeze=rec.status == "running")
+        return await self.record(rec, layer, copied, diff_bytes, t0, ref=ref, build_key=build_key)
 
-            def seal() -> layerfmt.BuildResult:
-                try:
-                    with open(tmp, "wb") as f:  # the layer records the env's ids, not the host's
-                        res = layerfmt.build_layer(upper, f, overlay_upper=True, id_base=id_base)
-                    final = store.blob_path(res.digest)
-                    if os.path.exists(final):
-                        os.unlink(tmp)
-                    else:
-                        os.replace(tmp, final)
-                    return res
-                except BaseException:
-                    try:
-                        os.unlink(tmp)
-                    except FileNotFoundError:
-                        pass
-                    raise
+    async def seal_upper(self, env_id: str, *, freeze: bool) -> tuple[SnapshotLayer, bool, int]:
+        """Seal the env's upper into a layer blob of the embedded store (frozen meanwhile if
+        ``freeze``), copied as a snapshot tree too; (the layer, whether the tree was made, its
+        content bytes). The caller holds the env's lock."""
+        cg = self._cgroups[env_id]
+        froze = freeze
+        store = self.layout()
+        upper = os.path.join(_state.upper_mount(self._envs_dir, env_id), "upper")
+        tmp = os.path.join(store.root, "blobs", "sha256", f".commit-{env_id}-{secrets.token_hex(4)}")
+        id_base = self._idmap.base if self._idmap is not None else 0
 
-            tree_tmp = self.trees.temp_path(env_id)
-            copied = False
-
-            async def copy_tree() -> None:  # the same upper as a directory (cp keeps whiteouts, xattrs)
-                nonlocal copied
-                p = await trio.run_process(["cp", "-a", "--", upper, tree_tmp], capture_stderr=True, check=False)
-                copied = p.returncode == 0
-                if not copied:
-                    log.warning("env %s: commit: copying the upper failed (envs from the snapshot will read it "
-                                "through the envlet): %s", env_id, p.stderr.decode(errors="replace").strip()[-300:])
-                    return
-                try:  # no device node, no capability for host processes in a tree on the host's disk
-                    await trio.to_thread.run_sync(make_tree_inert, tree_tmp, id_base)
-                except (DeviceNodeInTreeError, OSError) as e:
-                    copied = False
-                    log.warning("env %s: commit: no snapshot tree (envs from the snapshot read it through the "
-                                "envlet, nodev): %s", env_id, e)
-
-            self.trees.in_progress.update((tree_tmp, tmp))  # gc leaves both alone meanwhile
+        def seal() -> layerfmt.BuildResult:
             try:
-                if froze:
-                    await trio.to_thread.run_sync(cg.freeze)
+                with open(tmp, "wb") as f:  # the layer records the env's ids, not the host's
+                    res = layerfmt.build_layer(upper, f, overlay_upper=True, id_base=id_base)
+                final = store.blob_path(res.digest)
+                if os.path.exists(final):
+                    os.unlink(tmp)
+                else:
+                    os.replace(tmp, final)
+                return res
+            except BaseException:
                 try:
-                    async with trio.open_nursery() as n:
-                        n.start_soon(copy_tree)
-                        res = await trio.to_thread.run_sync(seal)
-                except BaseExceptionGroup as eg:  # the nursery's group of one: its error, said plainly
-                    err = eg.exceptions[0] if len(eg.exceptions) == 1 else eg
-                    if isinstance(err, OSError):
-                        full = " (the disk of $WEENV_HOME is full)" if err.errno == errno.ENOSPC else ""
-                        raise EnvError(f"commit: writing the snapshot layer failed: {err}{full}",
-                                       env_id=env_id) from err
-                    raise err from None
-                finally:
-                    if froze:
-                        with trio.CancelScope(shield=True):
-                            await trio.to_thread.run_sync(cg.thaw)
-                tree = self.trees.path(res.digest)
-                if copied:
-                    copied = await trio.to_thread.run_sync(self.trees.install, tree_tmp, tree)
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
+
+        tree_tmp = self.trees.temp_path(env_id)
+        copied = False
+
+        async def copy_tree() -> None:  # the same upper as a directory (cp keeps whiteouts, xattrs)
+            nonlocal copied
+            p = await trio.run_process(["cp", "-a", "--", upper, tree_tmp], capture_stderr=True, check=False)
+            copied = p.returncode == 0
+            if not copied:
+                log.warning("env %s: commit: copying the upper failed (envs from the snapshot will read it "
+                            "through the envlet): %s", env_id, p.stderr.decode(errors="replace").strip()[-300:])
+                return
+            try:  # no device node, no capability for host processes in a tree on the host's disk
+                await trio.to_thread.run_sync(make_tree_inert, tree_tmp, id_base)
+            except (DeviceNodeInTreeError, OSError) as e:
+                copied = False
+                log.warning("env %s: commit: no snapshot tree (envs from the snapshot read it through the "
+                            "envlet, nodev): %s", env_id, e)
+
+        self.trees.in_progress.update((tree_tmp, tmp))  # gc leaves both alone meanwhile
+        try:
+            if froze:
+                await trio.to_thread.run_sync(cg.freeze)
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(copy_tree)
+                    res = await trio.to_thread.run_sync(seal)
+            except BaseExceptionGroup as eg:  # the nursery's group of one: its error, said plainly
+                err = eg.exceptions[0] if len(eg.exceptions) == 1 else eg
+                if isinstance(err, OSError):
+                    full = " (the disk of $WEENV_HOME is full)" if err.errno == errno.ENOSPC else ""
+                    raise EnvError(f"commit: writing the snapshot layer failed: {err}{full}",
+                                   env_id=env_id) from err
+                raise err from None
             finally:
-                self.trees.in_progress.difference_update((tree_tmp, tmp))
-                if os.path.lexists(tree_tmp):
-                    await trio.to_thread.run_sync(lambda: shutil.rmtree(tree_tmp, ignore_errors=True))
-        layer = SnapshotLayer(digest=res.digest, size=res.size, toc_digest=res.toc_digest)
+                if froze:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(cg.thaw)
+            tree = self.trees.path(res.digest)
+            if copied:
+                copied = await trio.to_thread.run_sync(self.trees.install, tree_tmp, tree)
+        finally:
+            self.trees.in_progress.difference_update((tree_tmp, tmp))
+            if os.path.lexists(tree_tmp):
+                await trio.to_thread.run_sync(lambda: shutil.rmtree(tree_tmp, ignore_errors=True))
+        return SnapshotLayer(digest=res.digest, size=res.size, toc_digest=res.toc_digest), copied, res.content_bytes
+
+    async def record(self, rec: EnvRecord, layer: SnapshotLayer, copied: bool, diff_bytes: int, t0: float, *,
+                     ref: str | None = None, build_key: str | None = None,
+                     memory: MemoryImage | None = None) -> SnapshotRecord:
+        """Record the snapshot of ``rec`` whose newest layer is ``layer`` (and ``memory``), warm
+        the envlet's cache with it unless its tree was made, publish it to ``ref``."""
+        env_id = rec.id
+        store = self.layout()
         parents = [msgspec.convert(x, SnapshotLayer) for x in rec.snapshot_layers]
         snap = SnapshotRecord(id=new_snapshot_id(), source_env=env_id, lock=rec.lock, layers=[*parents, layer],
-                              build_key=build_key, diff_bytes=res.content_bytes,
+                              build_key=build_key, diff_bytes=diff_bytes, memory=memory,
                               cpu_quota_cores=self._monitor.cpu_quota(env_id))
         self.records.save(snap)
 
@@ -175,15 +194,32 @@ class Snapshotter:
                 source=f"weenv commit {env_id}"))
             snap.ref = ref
             self.records.save(snap)
-        log.info("env %s committed as %s (%d bytes of diff, %.0f ms)", env_id, snap.id, res.content_bytes,
+        log.info("env %s committed as %s (%d bytes of diff, %.0f ms)", env_id, snap.id, snap.diff_bytes,
                  (time.perf_counter() - t0) * 1000)
         return snap
 
-    async def fork(self, env_id: str, n: int) -> tuple[SnapshotRecord, list[EnvRecord]]:
-        """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones)."""
+    async def fork(self, env_id: str, n: int, *, commit: Callable[..., Awaitable[SnapshotRecord]] | None = None
+                   ) -> tuple[SnapshotRecord, list[EnvRecord]]:
+        """Commit once, start ``n`` children from that state; all or none (a failure kills the
+        started ones). ``commit``: another commit (a memory snapshot's, :mod:`._memory`), called
+        as ``commit(env_id, then)``: it awaits ``then(snapshot)`` once the snapshot is recorded
+        (the children start while it finishes the rest: the source's restore)."""
         if not 1 <= n <= 1024:
             raise EnvStateError(f"fork needs 1 <= n <= 1024, got {n}", env_id=env_id)
-        snap = await self.commit(env_id)
+        if commit is None:
+            snap = await self.commit(env_id)
+            return snap, await self.start_children(env_id, snap, n)
+        started: list[list[EnvRecord]] = []
+
+        async def then(snap: SnapshotRecord) -> None:
+            started.append(await self.start_children(env_id, snap, n))
+
+        snap = await commit(env_id, then)
+        return snap, started[0]
+
+    async def start_children(self, env_id: str, snap: SnapshotRecord, n: int) -> list[EnvRecord]:
+        """``n`` envs from ``snap`` (a fork's: gc collects it with them), all or none."""
+        restricted = self._get(env_id).restricted  # a tenant's env has a tenant's children
         snap.fork = True  # nobody asked for this snapshot: gc collects it when its children are gone
         self.records.save(snap)
         children: list[EnvRecord] = []
@@ -191,7 +227,7 @@ class Snapshotter:
 
         async def one() -> None:
             try:
-                children.append(await self._start(snap.id))
+                children.append(await self._start(snap.id, restricted=restricted))
             except Exception as e:  # collected: the others keep going, then all are undone
                 errors.append(e)
 
@@ -214,7 +250,7 @@ class Snapshotter:
             # a node too full for the children is a refusal to retry later (503), not a failed start (500)
             cls = AdmissionError if all(isinstance(e, AdmissionError) for e in errors) else EnvStartError
             raise cls(f"fork of {n}: {len(errors)} children failed to start: {errors[0]}", env_id=env_id)
-        return snap, children
+        return children
 
     def delete(self, snap_id: str) -> list[str]:
         """Remove the record, and its layer blobs unless another snapshot, a live env or a tag uses them."""
@@ -222,6 +258,7 @@ class Snapshotter:
         used: set[str] = set()
         for other in self.records.list():
             used.update(layer.digest for layer in other.layers)
+            used.update([other.memory.digest] if other.memory is not None else [])
         for env in self._envs.values():
             used.update(x["digest"] for x in env.snapshot_layers)
         store = self.layout()
@@ -244,6 +281,14 @@ class Snapshotter:
                     removed.append(layer.digest)
                 except FileNotFoundError:
                     pass
+        if rec.memory is not None and rec.memory.digest not in used:  # its checkpoint image: no tag holds one
+            if self.memory_images is not None:
+                self.memory_images.discard(rec.memory.digest)
+            try:
+                os.unlink(store.blob_path(rec.memory.digest))
+                removed.append(rec.memory.digest)
+            except FileNotFoundError:
+                pass
         return removed
 
     # ------------------------------------------------------------------ gc

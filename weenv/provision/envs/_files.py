@@ -10,10 +10,8 @@ env could otherwise make the daemon block on a FIFO or read a device), and the r
 reopened through its ``O_PATH`` descriptor, so the object checked is the object read.
 Writes are atomic (temp file in the same directory, then ``rename``); a symlink in the final
 component is replaced, never followed. Created files and directories belong to the env user's
-uid/gid when one is given.
-
-These calls block on disk (and on the envlet's FUSE lowers): async callers run them in a worker
-thread (``trio.to_thread.run_sync``).
+uid/gid when one is given. These calls block on disk (and on the envlet's FUSE lowers): async
+callers run them in a worker thread.
 """
 
 from __future__ import annotations
@@ -26,14 +24,11 @@ import secrets
 import shutil
 import stat
 from collections.abc import Iterable
-from typing import Any
 
-import msgspec
 
 from ... import _wire as wire
 from .._errors import EnvFileError, EnvFileNotFoundError, EnvFileTooLargeError, EnvFileTypeError
-from ..runtime._idmap import IdMap
-from ..runtime._ocispec import User, parse_user
+from ._xattrs import USER_XATTR, user_xattrs
 
 SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -140,7 +135,8 @@ FileInfo = wire.FileInfo
 """One entry, as ``lstat`` sees it: :class:`weenv._wire.FileInfo`, as the daemon sends it."""
 
 
-def _info(name: str, st: os.stat_result, link_target: str | None = None) -> FileInfo:
+def _info(name: str, st: os.stat_result, link_target: str | None = None,
+          xattrs: dict[str, str] | None = None) -> FileInfo:
     return FileInfo(
         name=name,
         kind=_KIND.get(stat.S_IFMT(st.st_mode), "unknown"),
@@ -150,6 +146,7 @@ def _info(name: str, st: os.stat_result, link_target: str | None = None) -> File
         gid=st.st_gid,
         mtime_s=st.st_mtime,
         link_target=link_target,
+        xattrs=xattrs,
     )
 
 
@@ -286,9 +283,11 @@ class RootFS:
         gid: int | None = None,
         make_parents: bool = False,
         durable: bool = False,
+        xattrs: dict[str, str] | None = None,
     ) -> None:
         """Replace (or create) a file atomically. An existing file keeps its mode and owner unless
         they are given; a new one gets 0o644 and the env user. ``durable`` fsyncs before rename.
+        ``xattrs``: set as ``user.NAME`` on the new file before it takes the path.
         ``data`` may be an iterable of chunks (an upload read as it arrives); if it raises, the
         file is left as it was."""
         parent, name = _split(path)
@@ -319,6 +318,8 @@ class RootFS:
                 if u != -1 or g != -1:
                     os.fchown(fd, u, g)
                 os.fchmod(fd, new_mode)  # after chown, which clears setuid/setgid bits
+                for k, v in (xattrs or {}).items():
+                    os.setxattr(fd, USER_XATTR + k, v.encode())
                 if durable:
                     os.fsync(fd)
             finally:
@@ -335,8 +336,9 @@ class RootFS:
                     pass
             os.close(dfd)
 
-    def stat(self, path: str) -> FileInfo:
-        """``lstat`` of the final component (parents are followed inside the rootfs)."""
+    def stat(self, path: str, *, xattrs: bool = False) -> FileInfo:
+        """``lstat`` of the final component (parents are followed inside the rootfs); ``xattrs``: its
+        ``user.*`` extended attributes too."""
         norm = normalize(path)
         try:
             fd = self._resolve(norm, follow_last=False)
@@ -345,7 +347,8 @@ class RootFS:
         try:
             st = os.fstat(fd)
             target = os.readlink("", dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
-            return _info(posixpath.basename(norm) or "/", st, target)
+            got = (user_xattrs(fd) if target is None else {}) if xattrs else None
+            return _info(posixpath.basename(norm) or "/", st, target, got)
         except OSError as exc:
             raise self._translate(exc, path) from exc
         finally:
@@ -358,7 +361,7 @@ class RootFS:
         except EnvFileNotFoundError:
             return False
 
-    def list(self, path: str) -> list[FileInfo]:
+    def list(self, path: str, *, xattrs: bool = False) -> list[FileInfo]:
         """The entries of a directory, sorted by name, each as :meth:`stat` reports it."""
         try:
             pfd = self._resolve(path)
@@ -380,7 +383,20 @@ class RootFS:
                     target = os.readlink(name, dir_fd=dfd) if stat.S_ISLNK(st.st_mode) else None
                 except FileNotFoundError:
                     continue  # removed while we listed
-                out.append(_info(name, st, target))
+                got = None
+                if xattrs:
+                    got = {}
+                    if target is None:
+                        try:
+                            efd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                        except OSError:
+                            efd = -1
+                        if efd >= 0:
+                            try:
+                                got = user_xattrs(efd)
+                            finally:
+                                os.close(efd)
+                out.append(_info(name, st, target, got))
             return out
         except OSError as exc:
             raise self._translate(exc, path) from exc
@@ -463,59 +479,19 @@ class RootFS:
         finally:
             os.close(dfd)
 
-
-def resolve_user(rootfs: RootFS | str, spec: str | int | None) -> User:
-    """The numeric identity for a plan's ``user`` (``name``, ``uid``, ``name:group``, ...),
-    looked up in the env's own /etc/passwd and /etc/group, read through :class:`RootFS` so a
-    hostile symlink there cannot make weenv read a host file."""
-    owned = isinstance(rootfs, str)
-    fs = RootFS(rootfs) if isinstance(rootfs, str) else rootfs
-    try:
-        texts = []
-        for name in ("/etc/passwd", "/etc/group"):
+    def move(self, path: str, to: str) -> None:
+        """Rename ``path`` to ``to`` (both inside the rootfs; a file at ``to`` is replaced, as
+        ``rename(2)`` does; neither path's last component is followed if it is a symlink)."""
+        src_parent, src_name = _split(path)
+        dst_parent, dst_name = _split(to)
+        sfd = self._parent_fd(src_parent, path)
+        try:
+            dfd = self._parent_fd(dst_parent, to)
             try:
-                texts.append(fs.read(name, max_bytes=_MAX_ACCOUNT_FILE_BYTES).decode("utf-8", errors="replace"))
-            except (EnvFileNotFoundError, EnvFileTypeError):
-                texts.append("")
-        return parse_user(spec, texts[0], texts[1])
-    finally:
-        if owned:
-            fs.close()
-
-
-def file_op(root: str, op: str, path: str, *, data: bytes = b"", mode: int = 0o644, user: str | None = None,
-            recursive: bool = False, max_bytes: int | None = None, idmap: IdMap | None = None) -> Any:
-    """One file operation of the daemon API on the rootfs ``root``: read | write | list | stat | mkdir |
-    remove, as ``user`` (None: root). ``idmap``: the env runs in a user namespace over that host id
-    range; files are written owned by the env's ids as the host has them, and owners are reported as
-    the env sees them. Blocks (a worker thread's call)."""
-
-    def env_ids(info: Any) -> Any:  # owners as the env sees them
-        if idmap is None:
-            return info
-        return msgspec.structs.replace(info, uid=idmap.env(info.uid), gid=idmap.env(info.gid))
-
-    who = resolve_user(root, user) if user else None
-    uid, gid = (who.uid, who.gid) if who else (0, 0)
-    if idmap is not None:  # written on the host: owned by the env's ids as the host has them
-        uid, gid = idmap.host(uid), idmap.host(gid)
-    fs = RootFS(root, uid=uid, gid=gid)
-    try:
-        if op == "read":
-            return fs.read(path, max_bytes=max_bytes) if max_bytes else fs.read(path)
-        if op == "write":
-            fs.write(path, data, mode=mode, make_parents=True)
-            return None
-        if op == "list":
-            return [env_ids(i) for i in fs.list(path)]
-        if op == "stat":
-            return env_ids(fs.stat(path))
-        if op == "mkdir":
-            fs.mkdir(path, parents=True, exist_ok=True, mode=mode if mode != 0o644 else 0o755)
-            return None
-        if op == "remove":
-            fs.remove(path, recursive=recursive)
-            return None
-    finally:
-        fs.close()
-    raise ValueError(f"unknown file operation {op!r}")
+                os.rename(src_name, dst_name, src_dir_fd=sfd, dst_dir_fd=dfd)
+            except OSError as exc:
+                raise self._translate(exc, path if exc.errno == errno.ENOENT else to) from exc
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)

@@ -9,7 +9,8 @@ constructor:
 - :mod:`._pool` (:class:`WarmPool`): envs started ahead of time, per lock;
 - :mod:`._ttl` (:class:`Ttls`): TTL deadlines and expiry;
 - :mod:`._commit` (:class:`Snapshotter`): commit, fork, snapshot removal;
-- :mod:`._gc`: the sweeps of gc; :mod:`._files`, :mod:`._ports`: file access and port connections.
+- :mod:`._volumes` (:class:`VolumeStore`): volumes, mounted into envs; :mod:`._gc`: the sweeps of gc;
+  :mod:`._files`, :mod:`._ports`: file access and port connections.
 
 Every step of :meth:`EnvManager.create` is undone by :meth:`EnvManager._teardown` if a later step
 fails, and the same teardown serves kill, TTL expiry and gc: it is idempotent and tolerates any
@@ -31,53 +32,33 @@ import trio
 
 from ..._wire import ProcessEnd, ProcessInfo
 from ...envlet import EnvletClient, EnvletError
-from ...plan import Lock, Plan, PlanValidationError, apply_overrides, is_locked, plan_to_builtins
+from ...plan import Lock, Plan, PlanValidationError, apply_overrides, plan_to_builtins
+from ...plan._model import network_policy
 from ...plan._validate import gvisor_disk_problem
 from .._errors import (AdmissionError, CgroupError, ContainerNotFoundError, EnvNotFoundError, EnvStartError,
                        EnvStateError, ProcessNotFoundError, ProvisionError)
 from ..cgroups import Cgroup, CgroupBackend
 from ..elastic._monitor import Monitor
-from ..elastic._policy import EnvLimits
 from ..runtime._idmap import IdMap
 from ..runtime._ocispec import User
-from ..runtime._runtime import ExecResult, ProcessStream, Runtime
+from ..runtime._seam import ExecResult, ProcessStream, Runtime
 from . import _gc, _ports, _state
 from ._commit import Snapshotter
-from ._files import file_op, resolve_user
+from ._memory import MemoryImages, MemorySnapshotter
+from ._parking import Parking, check_park_after
+from ._fileops import file_op, resolve_user
 from ._pool import WarmPool
 from ._setup import EnvSetup
 from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, SnapshotTrees
-from ._startcheck import LockVerifier, check_start
+from ._startcheck import LockVerifier, check_start, env_limits, lock_for, tenant_problems
 from ._state import EnvRecord
 from ._trees import LayerTrees
 from ._ttl import Ttls
+from ._volumes import VolumeError, VolumeStore
 
 log = logging.getLogger("weenv.daemon")
 
 OutputCallback = Callable[[str, bytes], Awaitable[None] | None]
-
-
-def env_limits(lock: Plan, runtime: str = "crun") -> EnvLimits:
-    """The monitor's limits for an env of ``lock`` run by ``runtime``. A gVisor env's memory is
-    fixed at the plan's max (admitted and held whole, never elastic): the Sentry takes its memory
-    in system calls that fail with ENOMEM at a limit instead of waiting for the monitor's doubling,
-    and a Sentry refused memory dies with everything in it (a 45 MiB write burst killed the sandbox
-    at a 64 MiB elastic limit in a loaded test run)."""
-    r = lock.resources
-    memory_min = r.memory.min
-    if runtime == "gvisor" and r.memory.max is not None:
-        memory_min = r.memory.max
-    return EnvLimits(cpu_min_cores=r.cpu.min, cpu_max_cores=r.cpu.max, memory_min_bytes=memory_min,
-                     memory_max_bytes=r.memory.max, pids_max=r.pids)
-
-
-def lock_for(plan: Plan) -> Lock:
-    """A lock for ``plan``: locks pass through (never resolving a tag), plans are resolved now."""
-    if is_locked(plan):
-        return plan  # type: ignore[return-value]
-    from ...build import lock_with_image_defaults
-
-    return lock_with_image_defaults(plan)
 
 
 class EnvManager:
@@ -86,14 +67,14 @@ class EnvManager:
     def __init__(self, *, envs_dir: str, runtime: Runtime, backend: CgroupBackend, monitor: Monitor,
                  envlet: EnvletClient, agent_path: str | None = None, idmap: IdMap | None = None,
                  net: Any = None, pool_size: int = 0, pool_idle_s: float = 120.0,
-                 layer_trees: tuple[int, int] | None = None):
+                 layer_trees: tuple[int, int] | None = None, park_after_s: float | None = None):
         """Every part at once: ``agent_path``, the weenv-agent binary envs run as their init (None:
         catatonit + ``crun exec``); ``idmap``, envs in a user namespace over that host id range (None:
         env root is host root; the envlet must run with the same base); ``net``, the node's
         :class:`weenv.net._egress.EgressNetwork` (egress envs need it); ``pool_size``, envs kept
         started and idle per lock (0: no warm pool), dropped after ``pool_idle_s`` unasked;
         ``layer_trees``, (starts after which a group layer is copied out as a tree, the trees'
-        budget in bytes), None: layers stay lazy. Background work runs in :meth:`run`."""
+        budget in bytes), None: layers stay lazy; ``park_after_s``: :mod:`._parking`. Background in :meth:`run`."""
         home = os.path.dirname(envs_dir)
         self.envs_dir = envs_dir
         self.runtime = runtime
@@ -124,14 +105,23 @@ class EnvManager:
         self._pool = WarmPool(size=pool_size, idle_s=pool_idle_s, envs=self.envs, start=self._create_pooled,
                               kill=self.kill, spawn=self._spawn)
         self._ttls = Ttls(envs=self.envs, kill=self.kill)
+        self.volumes = VolumeStore(os.path.join(home, "volumes"), envs=self.envs, idmap=idmap)
         self._setup = EnvSetup(envs_dir=envs_dir, runtime=runtime, backend=backend, monitor=monitor, envlet=envlet,
                                cgroups=self.cgroups, save=self._save, spawn=self._spawn,
                                snapshot_trees=self._snapshot_trees, layer_trees=self.layer_trees,
-                               agent_path=agent_path, idmap=idmap, net=net)
+                               agent_path=agent_path, idmap=idmap, net=net, volumes=self.volumes)
         self._snapshotter = Snapshotter(records=self.snapshots, trees=self._snapshot_trees, envs_dir=envs_dir,
                                         envs=self.envs, cgroups=self.cgroups, get=self.get, env_lock=self._lock,
                                         envlet=envlet, monitor=monitor, idmap=idmap, spawn=self._spawn,
                                         start=self.create_from_snapshot, kill=self.kill)
+        self._snapshotter.memory_images = images = MemoryImages(os.path.join(home, "memory-images"), self._snapshotter.layout)
+        self._memory = MemorySnapshotter(
+            runtime=runtime, envs_dir=envs_dir, images=images, snapshotter=self._snapshotter, get=self.get,
+            env_lock=self._lock, cgroups=self.cgroups, monitor=monitor, save=self._save,
+            limits_of=lambda rec: env_limits(self.lock_of(rec), self._runtime_name(self.lock_of(rec))),
+            boot=lambda rec, image: self._setup.boot(rec, lock := self.lock_of(rec), env_limits(
+                lock, self._runtime_name(lock)), restore_from=image))
+        self._parking = Parking(envs=self.envs, park=self._memory.park, save=self._save, default_s=park_after_s)
 
     # ------------------------------------------------------------------ helpers
 
@@ -157,6 +147,7 @@ class EnvManager:
                 if self.pool_size:
                     nursery.start_soon(self.pool_janitor, self.pool_idle_s)
                 nursery.start_soon(self.ttl_loop)
+                nursery.start_soon(self._parking.run)
                 if self.layer_trees is not None:
                     await nursery.start(self.layer_trees.run, self.trees_in_use)
                 task_status.started()
@@ -164,19 +155,11 @@ class EnvManager:
             finally:
                 self.nursery = None
 
-    @property
-    def pool_size(self) -> int:
-        """Envs kept started and idle per lock (0: no warm pool)."""
-        return self._pool.size
+    pool_size = property(lambda self: self._pool.size)  # envs kept started and idle per lock (0: no warm pool)
 
-    @property
-    def pool_idle_s(self) -> float:
-        return self._pool.idle_s
+    pool_idle_s = property(lambda self: self._pool.idle_s)
 
-    @property
-    def pool_starting(self) -> set[str]:
-        """Envs being started for a pool (not listed)."""
-        return self._pool.starting
+    pool_starting = property(lambda self: self._pool.starting)  # envs being started for a pool (not listed)
 
     def trees_in_use(self) -> set[str]:
         return {d for rec in self.envs.values() for d in rec.trees}
@@ -207,18 +190,25 @@ class EnvManager:
     # ------------------------------------------------------------------ create
 
     async def create(self, plan: Plan, *, snapshot: str | None = None, parent: str | None = None,
-                     snapshot_layers: Sequence[SnapshotLayer] = (), start_cpu_cores: float | None = None) -> EnvRecord:
+                     snapshot_layers: Sequence[SnapshotLayer] = (), start_cpu_cores: float | None = None,
+                     restricted: bool = False, restore_from: str | None = None) -> EnvRecord:
         """Start an env for ``plan`` (a lock is used as is; a plan is locked first).
 
         ``snapshot_layers`` (in the embedded store) go on top of the plan's groups: the sealed
-        uppers of a snapshot.
+        uppers of a snapshot (``restore_from``: its checkpoint image). ``restricted``: a tenant's env (``weenv serve``, non-admin keys), whose
+        network can never open the node, loopback, link-local or other envs (:meth:`_check_tenant`).
         """
         t0 = time.perf_counter()
         lock = await trio.to_thread.run_sync(lock_for, plan)
         await check_start(self.lock_verifier, lock)
-        if not snapshot_layers and self.pool_size > 0:
+        mode = network_policy(lock).mode
+        if restricted:
+            await self._check_tenant(lock)
+        # a pooled env was wired unrestricted: a tenant's egress env is always made for it
+        if not snapshot_layers and not restore_from and self.pool_size > 0 and not (restricted and mode == "egress"):
             taken = self._pool.take(lock)
             if taken is not None:
+                taken.restricted = restricted
                 taken.timings_ms = {"pool": round((time.perf_counter() - t0) * 1000, 1)}
                 if lock.ttl_s:
                     self._ttls.expire_in(taken, lock.ttl_s)
@@ -226,14 +216,21 @@ class EnvManager:
                 log.info("env %s handed out from the warm pool", taken.id)
                 return taken
         return await self._create(lock, t0, snapshot=snapshot, parent=parent, snapshot_layers=snapshot_layers,
-                                  start_cpu_cores=start_cpu_cores)
+                                  start_cpu_cores=start_cpu_cores, restricted=restricted, restore_from=restore_from)
 
-    async def _create_pooled(self, lock: Lock) -> EnvRecord:
+    async def _check_tenant(self, lock: Lock) -> None:
+        """A tenant's plan (:func:`._startcheck.tenant_problems`): PlanValidationError (a 400) names each problem."""
+        problems = await tenant_problems(lock, self.net)
+        if problems:
+            raise PlanValidationError(f"plan {lock.name!r}", problems)
+
+    async def _create_pooled(self, lock: Lock) -> EnvRecord:  # a warm pool's env (:mod:`._pool`)
         return await self._create(lock, time.perf_counter(), pooled=True)
 
     async def _create(self, lock: Lock, t0: float, *, snapshot: str | None = None, parent: str | None = None,
                       snapshot_layers: Sequence[SnapshotLayer] = (), pooled: bool = False,
-                      start_cpu_cores: float | None = None) -> EnvRecord:
+                      start_cpu_cores: float | None = None, restricted: bool = False,
+                      restore_from: str | None = None) -> EnvRecord:
         runtime = self._runtime_name(lock)
         if runtime == "gvisor" and lock.runtime is None:  # a plan naming gvisor was checked when read
             problem = gvisor_disk_problem(lock, 'this node\'s default runtime "gvisor"')
@@ -246,7 +243,7 @@ class EnvManager:
         if not admission:
             raise AdmissionError(f"not admitted: {admission.reason}")
         rec = EnvRecord(id=_state.new_env_id(lock.name), name=lock.name, lock=plan_to_builtins(lock),
-                        snapshot=snapshot, parent=parent,
+                        snapshot=snapshot, parent=parent, restricted=restricted,
                         snapshot_layers=[msgspec.to_builtins(layer) for layer in snapshot_layers])
         if lock.ttl_s and not pooled:
             self._ttls.expire_in(rec, lock.ttl_s)
@@ -257,7 +254,7 @@ class EnvManager:
         async with self._lock(rec.id):
             self._save(rec)
             try:
-                await self._setup.start(rec, lock, limits, start_cpu_cores)
+                await self._setup.start(rec, lock, limits, start_cpu_cores, restore_from)
             except BaseException as e:
                 if rec.id not in self.monitor:
                     self.monitor.cancel_admission(limits)  # give back the room admission set aside
@@ -265,7 +262,7 @@ class EnvManager:
                 with trio.CancelScope(shield=True):
                     log.warning("env %s failed to start (%s): undoing its setup", rec.id, e)
                     await self._teardown(rec)
-                if isinstance(e, (ProvisionError, EnvletError)):
+                if isinstance(e, (ProvisionError, EnvletError)) and not isinstance(e, VolumeError):
                     raise EnvStartError(str(e), env_id=rec.id) from e
                 raise
         if pooled:
@@ -396,21 +393,41 @@ class EnvManager:
             raise EnvStateError("has no init process to find its network in", env_id=env_id)
         if not 1 <= port <= 65535:
             raise EnvStateError(f"port {port} is not a TCP port (1-65535)", env_id=env_id)
+        net = rec.lock.get("network")  # host: its namespace is the node's, a tunnel would reach the node's own
+        if (net.get("mode") if isinstance(net, dict) else net) == "host":
+            raise EnvStateError("uses the node's network (network = \"host\"): its ports are the node's own, "
+                                "and the port proxy does not reach them", env_id=env_id)
         return await _ports.connect(env_id, rec.init_pid, port)
 
     async def files(self, env_id: str, op: str, path: str, *, data: bytes = b"", mode: int = 0o644,
-                    user: str | None = None, recursive: bool = False, max_bytes: int | None = None) -> Any:
-        """read | write | list | stat | mkdir | remove, resolved inside the env's rootfs."""
+                    user: str | None = None, recursive: bool = False, max_bytes: int | None = None,
+                    to: str | None = None, xattrs: dict[str, str] | bool | None = None) -> Any:
+        """read | write | list | stat | mkdir | remove | move, resolved inside the env's rootfs."""
         rec = self.get(env_id)
         if rec.status not in ("running", "paused"):
             raise EnvStateError(f"is {rec.status}", env_id=env_id)
+        root, path, to = self.volumes.file_root(rec, self.envs_dir, op, path, to)  # a path in a volume: in it
         return await trio.to_thread.run_sync(lambda: file_op(
-            self.rootfs(env_id), op, path, data=data, mode=mode, user=user, recursive=recursive,
-            max_bytes=max_bytes, idmap=self.idmap))
+            root, op, path, data=data, mode=mode, user=user, recursive=recursive, max_bytes=max_bytes,
+            idmap=self.idmap, to=to, xattrs=xattrs, users_root=self.rootfs(env_id)))
 
-    async def pause(self, env_id: str) -> None:
+    async def pause(self, env_id: str, *, memory: bool | str = True, park_after_s: float | None = None) -> None:
+        """Freeze the env (``memory``: its processes resume where they were), or end its processes and
+        keep its files (``memory=False``; a frozen env may be paused so too: resume boots it again),
+        or park it (``memory="park"``, :mod:`._memory`); a freeze parked later: ``park_after_s`` (:mod:`._parking`)."""
+        check_park_after(env_id, memory, park_after_s)
+        if memory == "park":
+            return await self._memory.park(env_id)
         async with self._lock(env_id):
-            rec = self._running(env_id)
+            rec = self.get(env_id)
+            if memory or rec.status != "paused":
+                rec = self._running(env_id)
+            if not memory and rec.memory_image:  # parked: its memory dropped, its files kept
+                return await trio.to_thread.run_sync(self._memory.finish_resume, rec) or self._save(rec)
+            self._parking.disarm(rec)
+            if not memory:  # (an env paused so already: nothing to do)
+                return None if rec.cold else await self._setup.stop(rec)
+            await self._parking.arm(rec, park_after_s, self._memory.capability)
             await trio.to_thread.run_sync(self.cgroups[env_id].freeze)
             rec.status = "paused"
             self._save(rec)
@@ -420,38 +437,49 @@ class EnvManager:
             rec = self.get(env_id)
             if rec.status != "paused":
                 raise EnvStateError(f"is {rec.status}, not paused", env_id=env_id)
+            self._parking.disarm(rec)
+            if rec.cold:  # paused without its memory: a new boot over the same files
+                lock = self.lock_of(rec)
+                await self._setup.boot_again(rec, lock, env_limits(lock, self._runtime_name(lock)))
+                await trio.to_thread.run_sync(self._memory.finish_resume, rec)  # parked: its image is done with
+                return self._save(rec)
             await trio.to_thread.run_sync(self.cgroups[env_id].thaw)
             rec.status = "running"
             self._save(rec)
 
     def set_ttl(self, env_id: str, ttl_s: float | None) -> EnvRecord:
-        rec = self.get(env_id)
-        self._ttls.expire_in(rec, ttl_s)
+        self._ttls.expire_in(rec := self.get(env_id), ttl_s)
         self._save(rec)
         return rec
 
-    async def ttl_loop(self, interval_s: float = 0.25) -> None:
-        """Kill envs past their TTL until cancelled (:mod:`._ttl`)."""
+    async def ttl_loop(self, interval_s: float = 0.25) -> None:  # kill envs past their TTL (:mod:`._ttl`)
         await self._ttls.run(interval_s)
 
     # ------------------------------------------------------------------ snapshots
 
-    async def commit(self, env_id: str, *, ref: str | None = None, build_key: str | None = None) -> SnapshotRecord:
-        """Freeze the env, seal its upper into a layer in the embedded store, thaw; record a snapshot."""
+    async def commit(self, env_id: str, *, ref: str | None = None, build_key: str | None = None,
+                     memory: bool = False) -> SnapshotRecord:
+        """Freeze the env, seal its upper into a layer in the embedded store, thaw; record a snapshot
+        (``memory``: its processes too, :mod:`._memory`)."""
+        if memory:
+            return await self._memory.commit(env_id, ref=ref)
         return await self._snapshotter.commit(env_id, ref=ref, build_key=build_key)
 
-    async def create_from_snapshot(self, snap_id: str, **overrides: Any) -> EnvRecord:
+    async def create_from_snapshot(self, snap_id: str, *, restricted: bool = False, **overrides: Any) -> EnvRecord:
+        """An env from a snapshot, with ``overrides`` applied to its lock (``restricted``: see :meth:`create`)."""
         snap = self.snapshots.get(snap_id)
         lock: Plan = msgspec.convert(snap.lock, Lock)
         clean = {k: v for k, v in overrides.items() if v is not None}
         if clean:
             lock = apply_overrides(lock, **clean)
+        image = await trio.to_thread.run_sync(self._memory.images.ensure, snap.memory) if snap.memory else None
         return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
-                                 start_cpu_cores=snap.cpu_quota_cores)
+                                 start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image)
 
-    async def fork(self, env_id: str, n: int) -> tuple[SnapshotRecord, list[EnvRecord]]:
-        """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones)."""
-        return await self._snapshotter.fork(env_id, n)
+    async def fork(self, env_id: str, n: int, *, memory: bool = False) -> tuple[SnapshotRecord, list[EnvRecord]]:
+        """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones).
+        ``memory``: a memory snapshot, whose children restore the parent's processes."""
+        return await self._snapshotter.fork(env_id, n, commit=self._memory.commit if memory else None)
 
     def delete_snapshot(self, snap_id: str) -> list[str]:
         """Remove the record, and its layer blobs unless another snapshot, a live env or a tag uses them."""
@@ -467,7 +495,15 @@ class EnvManager:
             if rec is None:
                 rec = EnvRecord(id=env_id, name=env_id, status="failed", cgroup=env_id)
             alive = False
-            if rec.status in ("running", "paused"):
+            if rec.status == "paused" and rec.cold:  # no container to find: its files, cgroup and network
+                try:
+                    await self._setup.reattach(rec, None)
+                    self.envs[env_id] = rec
+                    adopted.append(env_id)
+                    continue
+                except (CgroupError, ValueError) as e:
+                    log.warning("env %s: cannot re-adopt (%s); tearing it down", env_id, e)
+            elif rec.status in ("running", "paused"):
                 try:
                     st = await self.runtime.state(env_id)
                     alive = st.status in ("running", "paused") and st.pid > 0
@@ -485,6 +521,7 @@ class EnvManager:
             self.envs[env_id] = rec
             await self._teardown(rec)
             reaped.append(env_id)
+        await trio.to_thread.run_sync(self.volumes.release_idle)  # host mounts no adopted env uses
         log.info("re-adopted %d envs, reaped %d", len(adopted), len(reaped))
         return {"adopted": adopted, "reaped": reaped}
 
@@ -494,7 +531,7 @@ class EnvManager:
         out["pooled"] = await self.drain_pools()
         for rec in list(self.envs.values()):  # failed envs, and live ones whose container died
             dead = rec.status in ("failed", "stopping")
-            if rec.status in ("running", "paused", "pooled"):
+            if rec.status in ("running", "paused", "pooled") and not rec.cold:
                 try:
                     st = await self.runtime.state(rec.id)
                     dead = st.status not in ("running", "paused")
@@ -511,5 +548,8 @@ class EnvManager:
             out["network"] = await self.net.gc(live)
         out["snapshots"] = self._snapshotter.gc_forks()
         out["trees"] = await self._snapshotter.gc_trees()
+        out["memory_images"] = await trio.to_thread.run_sync(self._memory.images.gc, {
+            s.memory.digest for s in self.snapshots.list() if s.memory is not None})
         out["temps"] = await trio.to_thread.run_sync(self._snapshotter.gc_commit_temps)
+        out["volumes"] = await trio.to_thread.run_sync(self.volumes.release_idle)
         return out

@@ -47,11 +47,14 @@ def overlay_options(lowers_top_first: list[str], upper: str, work: str) -> str:
     return data
 
 
-def mount_overlay(target: str, lowers_top_first: list[str], upper: str, work: str) -> None:
+def mount_overlay(target: str, lowers_top_first: list[str], upper: str, work: str, *, setuid: bool = False) -> None:
     """The env's rootfs; ``nosuid,nodev`` on the host too: a setuid binary or a device node that an
-    env's layers or upper hold grants nothing to a host process that reaches the mount."""
+    env's layers or upper hold grants nothing to a host process that reaches the mount. ``setuid``
+    (a plan's ``setuid = true``, for sudo): ``nodev`` only; the mount lies in ``$WEENV_HOME``, which
+    only host root traverses, and a setuid bit gives host root nothing it has not."""
     os.makedirs(target, mode=0o755, exist_ok=True)
-    _mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, overlay_options(lowers_top_first, upper, work))
+    _mount("overlay", target, "overlay", MS_NODEV | (0 if setuid else MS_NOSUID),
+           overlay_options(lowers_top_first, upper, work))
 
 
 def unmount(target: str) -> bool:

@@ -1,7 +1,8 @@
 """Snapshot records: an env's filesystem sealed into layers on top of its plan lock.
 
 A snapshot is ``lock`` (the source env's plan lock) plus ``layers`` (sealed uppers, bottom first:
-a snapshot of an env that itself started from a snapshot stacks one more layer). Records live in
+a snapshot of an env that itself started from a snapshot stacks one more layer), and for a memory
+snapshot ``memory`` (the runtime's checkpoint image, sealed as one more layer blob: :mod:`._memory`). Records live in
 ``$WEENV_HOME/snapshots/<id>.json``; the layer blobs live in the embedded store, and are deleted
 only when no snapshot, running env or published tag references them.
 
@@ -37,6 +38,17 @@ class SnapshotLayer(msgspec.Struct, frozen=True, kw_only=True):
     toc_digest: str
 
 
+class MemoryImage(msgspec.Struct, frozen=True, kw_only=True):
+    """A memory snapshot's process state: the runtime's checkpoint image directory sealed as a
+    layer of the embedded store (chunked, content-addressed; :mod:`._memory`)."""
+
+    digest: str
+    size: int
+    toc_digest: str
+    image_bytes: int  # the checkpoint image as the runtime wrote it
+    facts: dict[str, str] = {}  # what it restores under: runtime, platform, runtime version
+
+
 class SnapshotRecord(msgspec.Struct, kw_only=True):
     id: str
     source_env: str
@@ -48,12 +60,14 @@ class SnapshotRecord(msgspec.Struct, kw_only=True):
     diff_bytes: int = 0  # uncompressed content of the newest layer
     cpu_quota_cores: float | None = None  # the source env's CPU quota when committed: envs start there
     fork: bool = False  # made by fork (not commit or build): gc collects it once no env started from it is left
+    memory: MemoryImage | None = None  # a memory snapshot: envs from it restore its processes
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "source_env": self.source_env, "created_s": self.created_s,
                 "layers": [msgspec.to_builtins(layer) for layer in self.layers], "ref": self.ref,
                 "plan": self.lock.get("name"), "build_key": self.build_key, "diff_bytes": self.diff_bytes,
-                "cpu_quota_cores": self.cpu_quota_cores, "fork": self.fork}
+                "cpu_quota_cores": self.cpu_quota_cores, "fork": self.fork,
+                "memory": msgspec.to_builtins(self.memory) if self.memory is not None else None}
 
 
 def new_snapshot_id() -> str:

@@ -1,4 +1,5 @@
-"""What every env start checks before it sets anything up: the lock's pins, and the mount sources.
+"""What every env start checks before it sets anything up: the lock's pins, and the mount sources
+(and what it starts from: :func:`lock_for` a plan, :func:`env_limits` for the monitor).
 
 A lock pins four things per group: ``digest`` (the manifest), ``layer_digest``, ``layer_size`` and
 ``toc_digest``. Every start checks all four against the group's store: the manifest is fetched by
@@ -20,9 +21,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...plan import Lock, LockedGroup, LockError, exposed_host_path
+import trio
+
+from ...plan import Lock, LockedGroup, LockError, Plan, Problem, exposed_host_path, is_locked
 from ...plan._lock import ManifestPins, check_manifest_pins, read_manifest_pins
+from ...plan._model import network_policy
 from .._errors import SpecError
+from ..elastic._policy import EnvLimits
 
 MAX_REMEMBERED_MANIFESTS = 4096
 
@@ -157,3 +162,47 @@ async def check_start(verifier: LockVerifier, lock: Lock) -> None:
         verifier.compare(lock)
     if lock.mounts:
         await trio.to_thread.run_sync(check_mount_sources, lock)
+
+
+async def tenant_problems(lock: Lock, net: Any) -> list[Problem]:
+    """A tenant's env: no ``network = "host"``, and no allow entry that opens the node's ports
+    or a network inside a reserved range (loopback, link-local, the egress range, the node's
+    addresses: :class:`weenv.net._policy.Reserved`); ``net``: the daemon's egress network, or None."""
+    netpol = network_policy(lock)
+    problems = []
+    if netpol.mode == "host":
+        problems.append(Problem("network.mode", "'host' (the node's own network) is not open to tenant envs; "
+                                "use 'egress' with the hosts it needs in network.allow"))
+    elif netpol.mode == "egress" and net is not None:
+        from ...net import PolicyError, parse_policy
+
+        try:
+            policy = parse_policy(netpol.allow, netpol.deny, netpol.bandwidth, netpol.dns, restricted=True)
+        except PolicyError:
+            return []  # a plan's grammar was checked when it was read: the start says what is wrong
+        problems += [Problem(f"network.{e.location}", e.message)
+                     for e in await trio.to_thread.run_sync(net.restricted_problems, policy)]
+    return problems
+
+
+def env_limits(lock: Plan, runtime: str = "crun") -> EnvLimits:
+    """The monitor's limits for an env of ``lock`` run by ``runtime``. A gVisor env's memory is
+    fixed at the plan's max (admitted and held whole, never elastic): the Sentry takes its memory
+    in system calls that fail with ENOMEM at a limit instead of waiting for the monitor's doubling,
+    and a Sentry refused memory dies with everything in it (a 45 MiB write burst killed the sandbox
+    at a 64 MiB elastic limit in a loaded test run)."""
+    r = lock.resources
+    memory_min = r.memory.min
+    if runtime == "gvisor" and r.memory.max is not None:
+        memory_min = r.memory.max
+    return EnvLimits(cpu_min_cores=r.cpu.min, cpu_max_cores=r.cpu.max, memory_min_bytes=memory_min,
+                     memory_max_bytes=r.memory.max, pids_max=r.pids)
+
+
+def lock_for(plan: Plan) -> Lock:
+    """A lock for ``plan``: locks pass through (never resolving a tag), plans are resolved now."""
+    if is_locked(plan):
+        return plan  # type: ignore[return-value]
+    from ...build import lock_with_image_defaults
+
+    return lock_with_image_defaults(plan)

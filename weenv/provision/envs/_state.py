@@ -32,6 +32,12 @@ class EnvRecord(msgspec.Struct, kw_only=True):
     timings_ms: dict[str, float] = {}  # how long each step of create took
     snapshot_layers: list[dict[str, Any]] = []  # sealed layers on top of the lock's groups (digest, size, toc_digest)
     trees: list[str] = []  # digests of the group layers it stacks as local trees (not through the envlet)
+    restricted: bool = False  # a tenant's env (docs/network.md, "Tenant envs"); its forks are too
+    cold: bool = False  # paused without its memory (processes ended, files kept): resume boots it again
+    volumes: list[str] = []  # ids of the volumes it mounts (envs/_volumes.py), recorded before each is bound
+    memory_image: str = ""  # parked (``cold`` too): the checkpoint image its resume restores (envs/_memory.py)
+    park_at_s: float | None = None  # frozen: when the daemon parks it (wall clock; envs/_parking.py); None: never
+    not_parked_because: str = ""  # a pause that asked to be parked later, and why it is not (its runtime; a park's error)
 
     def public(self, envs_dir: str) -> dict[str, Any]:
         """What ``ps`` / the API show."""
@@ -39,7 +45,10 @@ class EnvRecord(msgspec.Struct, kw_only=True):
             "id": self.id, "name": self.name, "status": self.status, "created_s": self.created_s,
             "expires_s": self.expires_s, "init_pid": self.init_pid, "snapshot": self.snapshot, "parent": self.parent,
             "groups": [g.get("name") for g in self.lock.get("groups", [])], "rootfs": rootfs_path(envs_dir, self.id),
-            "error": self.error, "timings_ms": self.timings_ms,
+            "error": self.error, "timings_ms": self.timings_ms, "restricted": self.restricted,
+            "user": self.lock.get("user"), "workdir": self.lock.get("workdir"), "volumes": self.volumes,
+            "parked": bool(self.memory_image), "park_at_s": self.park_at_s,
+            "not_parked_because": self.not_parked_because,
         }
 
 

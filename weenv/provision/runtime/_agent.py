@@ -32,7 +32,7 @@ import trio
 from ..._atomic import atomic_write
 from ..._unixsock import bind_unix
 from ... import _wire as wire
-from .._errors import ContainerError, ProcessNotFoundError, ProcessStartError, ProcessStateError
+from .._errors import ContainerError, ProcessExitedError, ProcessNotFoundError, ProcessStartError, ProcessStateError
 
 log = logging.getLogger("weenv.daemon")
 
@@ -375,12 +375,11 @@ async def agent_control(socket_path: str, pid: int, frames: Sequence[tuple[bytes
             frame = await _read_frame(proc._stream, proc._buf)
             if frame is None:
                 raise ContainerError("the env's agent closed the connection (did the env stop?)", env_id=env_id)
-            if frame[0] == b"X":
-                raise ProcessStateError(f"process {pid} has exited", env_id=env_id)
+            if frame[0] == b"X" or (frame != (b"Y", b"1") and kind == b"K"):
+                raise ProcessExitedError(f"process {pid} has exited", env_id=env_id)
             if frame != (b"Y", b"1"):
                 what = {b"I": "its stdin is closed (or was never opened: start it with stdin)",
-                        b"E": "its stdin is closed", b"W": "it is not on a pty",
-                        b"K": "it has exited"}.get(kind, "it refused the frame")
+                        b"E": "its stdin is closed", b"W": "it is not on a pty"}.get(kind, "it refused the frame")
                 raise ProcessStateError(f"process {pid}: {what}", env_id=env_id)
 
 

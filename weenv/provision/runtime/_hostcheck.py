@@ -52,7 +52,7 @@ class HostFacts(msgspec.Struct, frozen=True, kw_only=True):
     crun_path: str | None = None
     runsc_path: str | None = None
     """gVisor's runsc, for ``runtime = "gvisor"`` envs (its platform is probed by
-    :func:`weenv.provision.runtime._gvisor.probe_platform` on first use)."""
+    :func:`weenv.provision.runtime._runsc.probe_platform` on first use)."""
     init_path: str | None = None
     """A statically linked idle init to bind-mount into every env (catatonit)."""
     kernel_release: str = ""

@@ -127,10 +127,11 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _setup_env_namespaces(init_pid: int, *, remount_root: bool, loopback: bool | None) -> None:
+def _setup_env_namespaces(init_pid: int, *, remount_root: bool, loopback: bool | None, setuid: bool = False) -> None:
     """From a fresh thread, between ``crun create`` and ``crun start`` (the init is parked):
 
-    - remount the env's root ``nodev,nosuid``. A mount can only be changed from its own mount
+    - remount the env's root ``nodev,nosuid`` (``nodev`` only for a plan's ``setuid = true``: sudo,
+      whose processes run without no_new_privileges). A mount can only be changed from its own mount
       namespace; a thread may switch after unsharing its fs_struct (CLONE_FS). crun re-applies its
       own flags to the root bind mount, so a flag set on the rootfs before create would not last.
     - set ``lo`` up or down (crun brings it up in every new network namespace).
@@ -146,9 +147,10 @@ def _setup_env_namespaces(init_pid: int, *, remount_root: bool, loopback: bool |
         if remount_root:
             _check(_libc.unshare(CLONE_FS), "unshare(CLONE_FS)")
             _check(_libc.setns(mnt, CLONE_NEWNS), f"setns into the mount namespace of pid {init_pid}")
-            attr = _MountAttr(MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID, 0, 0, 0)
+            attr = _MountAttr(MOUNT_ATTR_NODEV | (0 if setuid else MOUNT_ATTR_NOSUID), MOUNT_ATTR_NOSUID if setuid else 0,
+                              0, 0)
             rc = _libc.syscall(SYS_MOUNT_SETATTR, ctypes.c_int(root), b"", ctypes.c_uint(AT_EMPTY_PATH), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
-            _check(rc, "mount_setattr(nodev,nosuid) on the env's root")
+            _check(rc, "mount_setattr(nodev%s) on the env's root" % ("" if setuid else ",nosuid"))
         if loopback is not None:
             _check(_libc.setns(net, CLONE_NEWNET), f"setns into the network namespace of pid {init_pid}")
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:

@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import posixpath
+import uuid
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -260,9 +261,11 @@ def build_process(
     user: User = ROOT_USER,
     capabilities: Sequence[str] = DEFAULT_CAPABILITIES,
     nofile: tuple[int, int] = DEFAULT_NOFILE,
+    no_new_privileges: bool = True,
 ) -> dict:
     """The OCI ``process`` object, for the init and for every exec (``crun exec --process``), so
-    exec'd commands get the same capabilities, no_new_privileges and limits as the init."""
+    exec'd commands get the same capabilities, no_new_privileges and limits as the init
+    (``no_new_privileges=False``: a plan's ``setuid = true``, for sudo)."""
     caps = list(capabilities)
     # Like Docker: a non-root process keeps only the bounding set, so a capability can never be
     # used by the env's unprivileged user unless a file capability grants it (and NNP forbids).
@@ -279,7 +282,7 @@ def build_process(
         "cwd": _check_abs(cwd, "cwd"),
         "capabilities": {"bounding": caps, "effective": held, "permitted": held, "inheritable": [], "ambient": []},
         "rlimits": [{"type": "RLIMIT_NOFILE", "soft": soft, "hard": hard}],
-        "noNewPrivileges": True,
+        "noNewPrivileges": no_new_privileges,
     }
 
 
@@ -310,8 +313,10 @@ def build_spec(
     agent_path: str | None = None,
     agent_socket: str | None = None,
     netns_path: str | None = None,
+    setuid: bool = False,
 ) -> dict:
-    """The complete ``config.json`` for one env.
+    """The complete ``config.json`` for one env (``setuid``: the plan's, processes without
+    no_new_privileges).
 
     ``init_path`` is the host path of the static init (bind-mounted at :data:`INIT_PATH`); with
     ``args`` the plan's own init runs instead and ``init_path`` may be None. ``etc_dir`` holds
@@ -391,6 +396,9 @@ def build_spec(
                     "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
                 }
             )
+        if os.path.exists(f"{etc_dir}/{BOOT_ID}"):  # the env's own boot id (the kernel's is the node's)
+            mounts.append({"destination": BOOT_ID_PATH, "type": "bind", "source": f"{etc_dir}/{BOOT_ID}",
+                           "options": ["bind", "ro", "nosuid", "nodev", "noexec"]})
     taken = {m["destination"] for m in mounts}
     for i, b in enumerate(bind_mounts):
         dest = _check_abs(b.destination, f"bind_mounts[{i}].destination")
@@ -420,7 +428,8 @@ def build_spec(
         linux["seccomp"] = dict(seccomp) if seccomp is not None else default_seccomp()
     return {
         "ociVersion": OCI_VERSION,
-        "process": build_process(args=args, env=spec_env, cwd=cwd, user=user, capabilities=capabilities, nofile=nofile),
+        "process": build_process(args=args, env=spec_env, cwd=cwd, user=user, capabilities=capabilities, nofile=nofile,
+                                 no_new_privileges=not setuid),
         "root": {"path": _check_abs(rootfs, "rootfs"), "readonly": bool(readonly_rootfs)},
         "hostname": env_id,
         "mounts": mounts,
@@ -432,6 +441,7 @@ def build_spec(
 # -- /etc files --------------------------------------------------------------------------------
 
 ETC_FILES = ("hosts", "hostname", "resolv.conf")
+BOOT_ID, BOOT_ID_PATH = "boot_id", "/proc/sys/kernel/random/boot_id"
 
 
 def render_etc_files(env_id: str, network: str, nameserver: str | None = None,
@@ -451,14 +461,15 @@ def render_etc_files(env_id: str, network: str, nameserver: str | None = None,
         hosts += f"{node_address}\tweenv-node\n"  # the node as this env sees it (allow "node:PORT")
     resolv = f"# weenv: network={network}, no DNS resolver in this env\n"
     if nameserver is not None:
-        resolv = f"# weenv: network={network}, a resolver that answers only allowed names\nnameserver {nameserver}\n"
+        resolv = f"# weenv: network={network}, the env's resolver on its gateway\nnameserver {nameserver}\n"
     if network == "host":
         try:
             with open("/etc/resolv.conf", "rb") as f:
                 resolv = f.read().decode("utf-8", "replace")
         except OSError:
             pass
-    return {"hosts": hosts.encode(), "hostname": f"{env_id}\n".encode(), "resolv.conf": resolv.encode()}
+    return {"hosts": hosts.encode(), "hostname": f"{env_id}\n".encode(), "resolv.conf": resolv.encode(),
+            BOOT_ID: f"{uuid.uuid4()}\n".encode()}
 
 
 # -- users and groups from the env's own files -------------------------------------------------
@@ -494,7 +505,8 @@ def _group_entries(text: str):
 def parse_user(spec: str | int | None, passwd_text: str, group_text: str) -> User:
     """Resolve ``name``, ``uid``, ``name:group``, ``uid:gid`` (any mix) against the text of the
     env's /etc/passwd and /etc/group. A numeric uid missing from passwd is allowed (gid 0,
-    home /); a name that is missing is an error. Supplementary groups come from /etc/group."""
+    home /); a name that is missing is an error, but for ``root`` (uid 0). Supplementary groups come
+    from /etc/group."""
     if spec is None or spec == "":
         spec = "0"
     spec = str(spec)
@@ -509,6 +521,8 @@ def parse_user(spec: str | int | None, passwd_text: str, group_text: str) -> Use
         entry = next((e for e in passwd if e[1] == uid), None)
     else:
         entry = next((e for e in passwd if e[0] == user_part), None)
+        if entry is None and user_part == "root":
+            entry = ("root", 0, 0, "/root")  # an image without /etc/passwd (busybox, distroless) still has root
         if entry is None:
             raise UserNotFoundError(f"user {user_part!r} is not in the env's /etc/passwd")
         uid = entry[1]

@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import re
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,8 +29,9 @@ import h11
 import msgspec
 import trio
 
+from ..._routes import PathError, RouteSpec, split_path
 from ..._unixsock import bind_unix
-from ..._wire import MAX_JSON_BODY_BYTES, ErrorBody, ErrorInfo, NoQuery, decode, encode
+from ..._wire import MAX_JSON_BODY_BYTES, ErrorBody, ErrorInfo, HttpError, NoQuery, decode, encode
 
 log = logging.getLogger("weenv.daemon")
 _READ = 65536
@@ -42,12 +42,8 @@ _DRAIN_BYTES = 16 << 20
 T = TypeVar("T")
 
 
-class HTTPError(Exception):
-    """Raised by handlers to answer with an error: ``{"error": {"kind", "message"}}``."""
-
-    def __init__(self, status: int, kind: str, message: str):
-        super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+HTTPError = HttpError
+"""Raised by handlers to answer with an error: ``{"error": {"kind", "message"}}`` (weenv._wire.HttpError)."""
 
 
 def _bad(where: str, e: BaseException, body: bytes = b"") -> HTTPError:
@@ -174,8 +170,7 @@ Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
 
 @dataclass(frozen=True)
 class Route:
-    method: str
-    pattern: re.Pattern[str]
+    spec: RouteSpec
     handler: Handler
     max_body_bytes: int = MAX_JSON_BODY_BYTES
     stream_body: bool = False
@@ -183,34 +178,53 @@ class Route:
 
 
 class Router:
-    def __init__(self) -> None:
-        self.routes: list[Route] = []
+    """Routes as data: each a :class:`weenv._routes.RouteSpec`, a handler and its body and query
+    options. ``errors`` maps what a handler raises (other than :class:`HTTPError`) to its answer,
+    once for every route (re-raising what it does not know: a 500)."""
 
-    def route(self, method: str, pattern: str, *, query: type = NoQuery, max_body_bytes: int = MAX_JSON_BODY_BYTES,
+    def __init__(self, errors: Callable[[BaseException], HTTPError] | None = None) -> None:
+        self.routes: list[Route] = []
+        self.errors = errors
+
+    def add(self, spec: RouteSpec, handler: Handler, *, query: type = NoQuery,
+            max_body_bytes: int = MAX_JSON_BODY_BYTES, stream_body: bool = False) -> None:
+        self.routes.append(Route(spec, handler, max_body_bytes, stream_body, query))
+
+    def route(self, method: str, template: str, *, query: type = NoQuery, max_body_bytes: int = MAX_JSON_BODY_BYTES,
               stream_body: bool = False) -> Callable[[Handler], Handler]:
-        """``query``: the Struct the query string must decode to (``req.q``); none by default."""
-        rx = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", pattern) + "$")
+        """``template``: ``/v1/envs/{id}/exec``; ``query``: the Struct the query string must decode to
+        (``req.q``); none by default."""
+        spec = RouteSpec(f"{method} {template}", method, template)
 
         def deco(fn: Handler) -> Handler:
-            self.routes.append(Route(method, rx, fn, max_body_bytes, stream_body, query))
+            self.routes.append(Route(spec, fn, max_body_bytes, stream_body, query))
             return fn
 
         return deco
 
+    @property
+    def specs(self) -> list[RouteSpec]:
+        return [r.spec for r in self.routes]
+
     def match(self, method: str, path: str) -> tuple[Route, dict[str, str]] | Response:
-        """The route and its path parameters, or the 404/405 answer."""
+        """The route and its path parameters (each segment decoded once: weenv/_routes.py), or the
+        400/404/405 answer. ``path``: the request target's path as it came, still percent-encoded."""
+        try:
+            segments = split_path(path)
+        except PathError as e:
+            return error_response(400, "bad_path", e.message)
         allowed = False
         for route in self.routes:
-            m = route.pattern.match(path)
-            if m is None:
+            params = route.spec.match(segments)
+            if params is None:
                 continue
-            if route.method != method:
+            if route.spec.method != method:
                 allowed = True
                 continue
-            return route, {k: urllib.parse.unquote(v) for k, v in m.groupdict().items()}
+            return route, params
         if allowed:
-            return error_response(405, "method_not_allowed", f"{method} is not allowed on {path}")
-        return error_response(404, "no_route", f"no API route {method} {path}")
+            return error_response(405, "method_not_allowed", f"{method} is not allowed on {_clip(path)}")
+        return error_response(404, "no_route", f"no API route {method} {_clip(path)}")
 
     async def dispatch(self, req: Request) -> Response | StreamResponse:
         """Route ``req`` (its body already read) and run the handler; for in-process callers."""
@@ -219,7 +233,18 @@ class Router:
             return found
         route, req.params = found
         req.q = req.query_as(route.query)
-        return await route.handler(req)
+        return await self.run(route, req)
+
+    async def run(self, route: Route, req: Request) -> Response | StreamResponse:
+        """The handler's answer; what it raises other than :class:`HTTPError` mapped by ``errors``."""
+        try:
+            return await route.handler(req)
+        except HTTPError:
+            raise
+        except Exception as e:
+            if self.errors is None:
+                raise
+            raise self.errors(e) from e
 
 
 class _ClientGone(Exception):
@@ -292,7 +317,7 @@ class Server:
             return "close"  # ConnectionClosed, or PAUSED after a protocol slip
         target = event.target.decode("latin-1")
         path, _, qs = target.partition("?")
-        req = Request(event.method.decode("latin-1"), urllib.parse.unquote(path),
+        req = Request(event.method.decode("latin-1"), path,
                       dict(urllib.parse.parse_qsl(qs, keep_blank_values=True)),
                       {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers})
         found = self.router.match(req.method, req.path)
@@ -379,7 +404,7 @@ class Server:
     async def _handle(self, route: Route, req: Request) -> Response | StreamResponse:
         try:
             req.q = req.query_as(route.query)
-            return await route.handler(req)
+            return await self.router.run(route, req)  # the parts' errors, mapped once for every route
         except HTTPError as e:
             return error_response(e.status, e.kind, e.message)
         except Exception as e:  # one bad request must not take the daemon down

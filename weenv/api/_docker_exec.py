@@ -1,0 +1,208 @@
+"""Docker's exec routes: create, start (detached, or the hijacked stream docker-py's ``exec_run``
+reads), inspect.
+
+An exec instance is a command to run in a running container; ``start`` runs it as a process
+handle in the container's env. Not detached, the answer to a request offering ``Upgrade: tcp``
+is ``101 UPGRADED`` and then the output on the connection itself (weenv/api/_hijack.py): Docker's
+multiplexed frames (weenv/api/_docker.py :func:`frame`), or the raw bytes with a TTY; the
+connection closes when the command ends, its exit code recorded first (``exec_run`` inspects it
+next). Its stdin is not read (``AttachStdin`` is refused with 501): what the client writes after
+the upgrade goes nowhere. A client that goes away leaves the command running, as Docker's does.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .._connection import WeenvError
+from ._common import HttpError, daemon_errors, key_of, log, read_body, state_of
+from ._docker import STDERR, STDOUT, frame, not_supported
+from ._docker_containers import Container, _env, docker_state, find
+from ._store import may_use
+
+MAX_BODY_BYTES = 1 << 20
+FIRST_OUTPUT_AFTER_S = 0.005
+"""The least time between the 101's headers and the first output: docker-py reads the headers
+through a buffered reader and the output from the socket under it, so output in the same read as
+the headers would be lost to it."""
+
+
+@dataclass
+class Exec:
+    id: str
+    container: Container
+    argv: list[str]
+    env: dict[str, str]
+    workdir: str
+    user: str
+    tty: bool
+    stdout: bool
+    stderr: bool
+    running: bool = False
+    started: bool = False
+    exit_code: int | None = None
+    pid: int = 0
+    ended: anyio.Event = field(default_factory=anyio.Event)
+
+
+class ExecBody(msgspec.Struct):
+    Cmd: list[str] | None = None
+    Env: list[str] | None = None
+    WorkingDir: str = ""
+    User: str = ""
+    Tty: bool = False
+    AttachStdin: bool = False
+    AttachStdout: bool = True
+    AttachStderr: bool = True
+    Privileged: bool = False
+
+
+class StartBody(msgspec.Struct):
+    Detach: bool = False
+    Tty: bool | None = None
+
+
+async def _body(request: Request, cls: type) -> Any:
+    try:
+        return msgspec.json.decode(await read_body(request, MAX_BODY_BYTES) or b"{}", type=cls)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HttpError(400, "bad_request", f"request body: {e}") from None
+
+
+def _not_running(c: Container) -> HttpError:
+    return HttpError(409, "conflict", f"Container {c.id} is not running")
+
+
+def find_exec(request: Request, exec_id: str) -> Exec:
+    x = docker_state(state_of(request)).execs.get(exec_id)
+    if x is None or not may_use(key_of(request), x.container.owner):
+        raise HttpError(404, "not_found", f"No such exec instance: {exec_id}")
+    return x  # type: ignore[no-any-return]
+
+
+async def exec_create(request: Request, params: dict[str, str]) -> Response:
+    c = find(request, params["id"])
+    body = await _body(request, ExecBody)
+    if not body.Cmd:
+        raise HttpError(400, "bad_request", "No exec command specified")
+    if body.AttachStdin:
+        raise not_supported("AttachStdin on exec (the hijacked connection's input)")
+    if body.Privileged:
+        raise not_supported("Privileged exec")
+    if not c.running:
+        raise _not_running(c)
+    if c.paused:
+        raise HttpError(409, "conflict", f"Container {c.id} is paused, unpause the container before exec")
+    x = Exec(secrets.token_hex(32), c, list(body.Cmd), dict(e.split("=", 1) for e in body.Env or [] if "=" in e),
+             body.WorkingDir, body.User, body.Tty, body.AttachStdout, body.AttachStderr)
+    docker_state(state_of(request)).execs[x.id] = x
+    c.execs.append(x.id)
+    return Response(msgspec.json.encode({"Id": x.id}), 201, media_type="application/json")
+
+
+async def _spawn(request: Request, x: Exec) -> Any:
+    async with daemon_errors():
+        proc = await _env(state_of(request), x.container).spawn(
+            x.argv, env=x.env or None, cwd=x.workdir or None, user=x.user or None,
+            pty=(24, 80) if x.tty else None)
+    x.running, x.pid = True, proc.pid
+    return proc
+
+
+def _finish(x: Exec, code: int) -> None:
+    x.running, x.exit_code = False, code
+    x.ended.set()
+
+
+async def _drain(x: Exec, proc: Any) -> None:
+    """A command nobody reads (detached, or its client went away), to its end."""
+    code = 255
+    try:
+        async for _ev in proc.events():
+            pass
+        code = proc.end.exit_code if proc.end is not None else 255
+    except (WeenvError, OSError) as e:
+        log.info("docker: exec %s: %s", x.id[:12], e)
+    finally:
+        _finish(x, code)
+
+
+def _upgrade_offered(request: Request) -> bool:
+    connection = {t.strip().lower() for t in request.headers.get("connection", "").split(",")}
+    return "upgrade" in connection and request.headers.get("upgrade", "").lower() == "tcp" and \
+        request.scope.get("http_version") == "1.1"
+
+
+async def exec_start(request: Request, params: dict[str, str]) -> Response:
+    state = state_of(request)
+    x = find_exec(request, params["id"])
+    body = await _body(request, StartBody)
+    if x.started:
+        raise HttpError(409, "conflict", f"Exec {x.id} has already been started")
+    if not x.container.running:
+        raise _not_running(x.container)
+    if state.tasks is None:
+        raise HttpError(503, "daemon_unavailable", "the server is shutting down")
+    x.started = True
+    if body.Detach:
+        proc = await _spawn(request, x)
+        state.tasks.start_soon(_drain, x, proc)
+        return Response(b"", 200)
+    tty = x.tty if body.Tty is None else body.Tty
+
+    async def output() -> AsyncIterator[bytes]:
+        sent_at = time.monotonic()
+        try:
+            proc = await _spawn(request, x)
+        except HttpError as e:
+            _finish(x, 126)
+            yield (e.message + "\n").encode() if tty else frame(STDERR, (e.message + "\n").encode())
+            return
+        first, ended = True, False
+        try:
+            async for ev in proc.events():
+                if not ev.data_b64:
+                    continue
+                stream = STDERR if ev.stream == "stderr" else STDOUT
+                if not (x.stderr if stream == STDERR else x.stdout):
+                    continue
+                if first:
+                    first = False
+                    await anyio.sleep(max(0.0, FIRST_OUTPUT_AFTER_S - (time.monotonic() - sent_at)))
+                yield ev.data_b64 if tty else frame(stream, ev.data_b64)
+            ended = True
+            _finish(x, proc.end.exit_code if proc.end is not None else 255)
+        finally:
+            if not ended and state.tasks is not None:  # the client went away: the command runs on
+                state.tasks.start_soon(_drain, x, proc)
+
+    media = "application/vnd.docker.raw-stream" if tty else "application/vnd.docker.multiplexed-stream"
+    if _upgrade_offered(request):
+        return StreamingResponse(output(), 101, media_type=media, headers={"Connection": "Upgrade",
+                                                                            "Upgrade": "tcp"})
+    return StreamingResponse(output(), 200, media_type=media)
+
+
+async def exec_inspect(request: Request, params: dict[str, str]) -> Response:
+    x = find_exec(request, params["id"])
+    doc = {"ID": x.id, "Running": x.running, "ExitCode": x.exit_code, "ProcessConfig": {
+        "tty": x.tty, "entrypoint": x.argv[0], "arguments": x.argv[1:], "privileged": False, "user": x.user},
+        "OpenStdin": False, "OpenStderr": x.stderr, "OpenStdout": x.stdout, "CanRemove": False,
+        "ContainerID": x.container.id, "DetachKeys": "", "Pid": x.pid}
+    return Response(msgspec.json.encode(doc), 200, media_type="application/json")
+
+
+ROUTES = [
+    ("POST", "containers/{id}/exec", exec_create),
+    ("POST", "exec/{id}/start", exec_start),
+    ("GET", "exec/{id}/json", exec_inspect),
+]

@@ -1,0 +1,314 @@
+"""Memory snapshots of envs: park (a pause that frees the env's memory), commit and fork with memory.
+
+The runtime's :class:`~weenv.provision.runtime._seam.MemorySnapshots` checkpoints the env's
+processes into an image directory and restores them at a create; this module decides when:
+
+- **park** (``pause(memory="park")``): the env is checkpointed into ``envs/<id>/memory/`` and its
+  sandbox ends, so its memory is the node's again; its files, cgroup, network, TTL, owner, ports
+  and tokens stay as a paused env's (it is ``cold`` as a ``memory=false`` pause, plus the image).
+  :meth:`~._setup.EnvSetup.boot_again` (resume) restores it from the image, on this node; a
+  restore that fails leaves it parked with its image.
+- **commit with memory**: the env is checkpointed (its processes stop, so its files and its
+  memory are one instant), its upper sealed as for a commit, and it is restored from the same
+  image at once (a parked env's image is used as it is, the env stays parked). The image is
+  sealed as a layer of the embedded store (:class:`MemoryImages`: chunked, content-addressed)
+  and referenced from the snapshot record; the directory is kept under ``memory-images/`` for
+  restores on this node (sealed while the source is restored: both only read it). Publishing
+  it to a registry is not done yet (a ``ref`` is refused).
+- **fork with memory**: one commit with memory, then ``n`` envs restored from its image, each
+  with its own rootfs, cgroups and id (:meth:`~._commit.Snapshotter.fork`).
+
+A checkpoint that fails leaves the env as it was (running, or frozen if it was paused).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from ... import layerfmt
+from ...registry import LayoutStore
+from .._errors import ContainerError, EnvError, EnvStateError, MemorySnapshotUnavailableError
+from ..cgroups import Cgroup
+from ..elastic._monitor import Monitor
+from ..runtime._criu import crun_memory_reason
+from ..runtime._seam import MemorySnapshots, Runtime
+from . import _state
+from ._commit import Snapshotter
+from ._snapshots import MemoryImage, SnapshotLayer, SnapshotRecord
+from ._state import EnvRecord
+
+log = logging.getLogger("weenv.daemon")
+
+#: Where a parked env's image is, in its own directory (removed with the env).
+PARKED_DIR = "memory"
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Images are never written once made: a hard link is a copy (a real one across filesystems)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+class MemoryImages:
+    """Checkpoint images of this node under ``root``: written into a temporary directory, sealed
+    into the embedded store (``layout()``) as a layer of their files, kept as
+    ``root/<digest key>/`` for restores (made again from the blob when missing)."""
+
+    def __init__(self, root: str, layout: Callable[[], LayoutStore]):
+        self.root = root
+        self._layout = layout
+        os.makedirs(root, mode=0o700, exist_ok=True)
+
+    def temp_dir(self, env_id: str) -> str:
+        return os.path.join(self.root, f".ckpt-{env_id}-{secrets.token_hex(4)}")
+
+    def path(self, digest: str) -> str:
+        return os.path.join(self.root, digest.replace(":", "-"))
+
+    def seal(self, image_dir: str, facts: dict[str, str]) -> MemoryImage:
+        """Seal ``image_dir`` into a blob of the store and install a copy of it (hard links) as
+        the image of its digest, unless that image is here already. Blocking."""
+        store = self._layout()
+        tmp = os.path.join(store.root, "blobs", "sha256", f".commit-memory-{secrets.token_hex(4)}")
+        try:
+            with open(tmp, "wb") as f:  # level 1: runsc compressed the image already
+                res = layerfmt.build_layer(image_dir, f, level=1)
+            final = store.blob_path(res.digest)
+            if os.path.exists(final):
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, final)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        final = self.path(res.digest)
+        if not os.path.isdir(final):  # its files linked, not moved: a restore may be reading them meanwhile
+            part = os.path.join(self.root, f".install-{secrets.token_hex(4)}")
+            shutil.copytree(image_dir, part, copy_function=_link_or_copy)
+            try:
+                os.rename(part, final)
+            except OSError:
+                shutil.rmtree(part, ignore_errors=True)  # the same image, installed meanwhile
+        return MemoryImage(digest=res.digest, size=res.size, toc_digest=res.toc_digest,
+                           image_bytes=res.content_bytes, facts=facts)
+
+    def ensure(self, image: MemoryImage) -> str:
+        """The directory of ``image``, written out of its blob first if it is not here. Blocking."""
+        final = self.path(image.digest)
+        if os.path.isdir(final):
+            return final
+        blob = self._layout().blob_path(image.digest)
+        if not os.path.exists(blob):
+            raise EnvError(f"the memory image {image.digest} is neither here nor in the store")
+        tmp = self.temp_dir("extract")
+        os.mkdir(tmp, 0o700)
+        reader = layerfmt.FileReader.open(blob)
+        try:
+            layer = layerfmt.Layer.open(reader, expected_toc_digest=image.toc_digest)
+            for entry in layer.entries():
+                if entry.type == "file" and "/" not in entry.path.strip("/"):
+                    with open(os.path.join(tmp, os.path.basename(entry.path)), "wb") as out:
+                        for part in layer.iter_read(entry.path):
+                            out.write(part)
+            os.rename(tmp, final)
+        finally:
+            reader.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+        return final
+
+    def discard(self, digest: str) -> None:
+        shutil.rmtree(self.path(digest), ignore_errors=True)
+
+    def gc(self, keep: set[str]) -> list[str]:
+        """Remove the images (and temporaries cut short) whose digest is not in ``keep``."""
+        keep_names = {os.path.basename(self.path(d)) for d in keep}
+        removed = []
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name.startswith(".") and time.time() - os.lstat(path).st_mtime < 3600:
+                continue  # a checkpoint being written or sealed now
+            if name not in keep_names:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                removed.append(name)
+        return removed
+
+
+class MemorySnapshotter:
+    """Park, commit and fork with memory for the envs of the manager (each a callable or table of
+    its: ``get``, ``env_lock``, ``cgroups``, ``limits_of`` (an env's monitor limits), ``save``;
+    ``boot`` restores an env from an image directory; ``snapshotter`` seals uppers and records)."""
+
+    def __init__(self, *, runtime: Runtime, envs_dir: str, images: MemoryImages, snapshotter: Snapshotter,
+                 get: Callable[[str], EnvRecord], env_lock: Callable[[str], trio.Lock], cgroups: dict[str, Cgroup],
+                 monitor: Monitor, limits_of: Callable[[EnvRecord], Any], save: Callable[[EnvRecord], None],
+                 boot: Callable[[EnvRecord, str], Awaitable[None]]):
+        self.runtime = runtime
+        self.envs_dir = envs_dir
+        self.images = images
+        self._snapshotter = snapshotter
+        self._get = get
+        self._env_lock = env_lock
+        self._cgroups = cgroups
+        self._monitor = monitor
+        self._limits_of = limits_of
+        self._save = save
+        self._boot = boot
+
+    async def capability(self, rec: EnvRecord) -> MemorySnapshots:
+        """The env's runtime as a :class:`MemorySnapshots`; raises
+        :class:`MemorySnapshotUnavailableError` (409) naming the runtime and why it cannot."""
+        name = rec.lock.get("runtime") or getattr(self.runtime, "default", None) or getattr(self.runtime, "name", "crun")
+        cap = await self.runtime.capability(rec.id, MemorySnapshots)
+        if cap is not None:
+            return cap
+        why = await trio.to_thread.run_sync(crun_memory_reason) if name == "crun" else (
+            f"memory snapshots need gVisor (runtime = \"gvisor\"): the {name} runtime cannot checkpoint")
+        raise MemorySnapshotUnavailableError(f"runtime {name}: {why}", env_id=rec.id)
+
+    def parked_dir(self, env_id: str) -> str:
+        return os.path.join(_state.env_dir(self.envs_dir, env_id), PARKED_DIR)
+
+    async def _checkpoint(self, rec: EnvRecord, image_dir: str) -> bool:
+        """Checkpoint the running or frozen env into ``image_dir`` (made here); its sandbox ends and
+        the monitor lets it go. On failure the env is as it was (frozen again if it was) and the
+        directory gone. Whether it was frozen."""
+        cap = await self.capability(rec)
+        cg = self._cgroups[rec.id]
+        await trio.to_thread.run_sync(lambda: os.makedirs(image_dir, mode=0o700))
+        frozen = await trio.to_thread.run_sync(cg.is_frozen)
+        if frozen:  # a frozen sandbox never answers runsc: thawed for the checkpoint
+            await trio.to_thread.run_sync(cg.thaw)
+        limits = self._limits_of(rec)
+        self._monitor.remove(rec.id)  # the env's memory goes with its sandbox: no quota to hold meanwhile
+        try:
+            await cap.checkpoint(rec.id, image_dir, leave_running=False)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(lambda: shutil.rmtree(image_dir, ignore_errors=True))
+                try:
+                    alive = (await self.runtime.state(rec.id)).status in ("running", "paused")
+                except ContainerError:
+                    alive = False
+                if alive:  # as it was: limited, and frozen again if it was
+                    self._monitor.add(rec.id, cg, limits, adopt=True)
+                    if frozen:
+                        await trio.to_thread.run_sync(cg.freeze)
+                else:
+                    rec.status, rec.error = "failed", "its checkpoint failed and its sandbox ended with it"
+                    self._save(rec)
+            raise
+        await trio.to_thread.run_sync(cg.kill_all)  # nothing of the sandbox is left to hold memory
+        rec.init_pid = 0
+        return frozen
+
+    async def park(self, env_id: str, *, only_if: Callable[[EnvRecord], bool] | None = None) -> None:
+        """Checkpoint the env's memory to disk and end its sandbox (it is paused, parked); one
+        parked already stays so. ``only_if(rec)``, checked under the env's lock: park only then
+        (the park-after loop's deadline still stands)."""
+        async with self._env_lock(env_id):
+            rec = self._get(env_id)
+            if rec.memory_image or (only_if is not None and not only_if(rec)):
+                return
+            if rec.status not in ("running", "paused") or rec.cold:
+                raise EnvStateError(f"is {rec.status}{' without its memory' if rec.cold else ''}: only a running or "
+                                    "paused env can be parked", env_id=env_id)
+            t0 = time.perf_counter()
+            image_dir = self.parked_dir(env_id)
+            await trio.to_thread.run_sync(lambda: shutil.rmtree(image_dir, ignore_errors=True))  # a park cut short
+            await self._checkpoint(rec, image_dir)
+            rec.status, rec.cold, rec.memory_image = "paused", True, image_dir
+            rec.park_at_s, rec.not_parked_because = None, ""
+            rec.timings_ms["park"] = round((time.perf_counter() - t0) * 1000, 1)
+            self._save(rec)
+            log.info("env %s parked (%.0f ms)", env_id, rec.timings_ms["park"])
+
+    async def commit(self, env_id: str, then: Callable[[SnapshotRecord], Awaitable[None]] | None = None, *,
+                     ref: str | None = None) -> SnapshotRecord:
+        """A snapshot of the env's files and memory at one instant (see the module's docstring).
+        ``then(snapshot)`` is awaited as soon as it is recorded, while the source is restored
+        (a fork's children start meanwhile)."""
+        if ref:
+            raise EnvStateError("publishing a memory snapshot to a registry (a ref) is not supported yet: commit "
+                                "with memory here, or without memory to publish", env_id=env_id)
+        t0 = time.perf_counter()
+        tmp = self.images.temp_dir(env_id)
+        made: list[SnapshotRecord] = []
+
+        async def record(rec: EnvRecord, sealed: tuple[SnapshotLayer, bool, int], image_dir: str,
+                         facts: dict[str, str]) -> None:
+            memory = await trio.to_thread.run_sync(self.images.seal, image_dir, facts)
+            made.append(await self._snapshotter.record(rec, *sealed, t0, memory=memory))
+            if then is not None:
+                await then(made[0])
+
+        try:
+            async with self._env_lock(env_id):
+                rec = self._get(env_id)
+                if not rec.memory_image and (rec.status not in ("running", "paused") or rec.cold):
+                    raise EnvStateError(f"is {rec.status}{' without its memory' if rec.cold else ''}: a memory "
+                                        "snapshot needs a running, paused or parked env", env_id=env_id)
+                cap = await self.capability(rec)
+                facts = await trio.to_thread.run_sync(cap.image_facts)
+                if rec.memory_image:  # parked: its image is that instant already, and the env stays parked
+                    sealed = await self._snapshotter.seal_upper(env_id, freeze=False)
+                    await record(rec, sealed, rec.memory_image, facts)
+                else:
+                    frozen = await self._checkpoint(rec, tmp)
+                    try:
+                        sealed = await self._snapshotter.seal_upper(env_id, freeze=False)
+                    except BaseException:
+                        with trio.CancelScope(shield=True):
+                            await self._restore_source(rec, tmp, frozen)
+                        raise
+                    await self._restore_alongside(rec, tmp, frozen, lambda: record(rec, sealed, tmp, facts))
+        finally:
+            if os.path.lexists(tmp):
+                await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        return made[0]
+
+    async def _restore_alongside(self, rec: EnvRecord, image_dir: str, frozen: bool,
+                                 work: Callable[[], Awaitable[None]]) -> None:
+        """The source env restored from its image while ``work`` runs (the image sealed, a fork's
+        children started: they only read the image): the source is back as soon as runsc allows."""
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(work)
+                with trio.CancelScope(shield=True):  # the source must come back (or be parked) whatever happens
+                    await self._restore_source(rec, image_dir, frozen)
+        except BaseExceptionGroup as eg:  # the nursery's group of one: its error, said plainly
+            raise (eg.exceptions[0] if len(eg.exceptions) == 1 else eg) from None
+
+    async def _restore_source(self, rec: EnvRecord, image_dir: str, frozen: bool) -> None:
+        """The env a commit checkpointed, restored from its image (frozen again if it was); a
+        restore that fails parks it with a copy of the image instead (raised after)."""
+        try:
+            await self._boot(rec, image_dir)
+        except Exception as e:
+            parked = self.parked_dir(rec.id)
+            await trio.to_thread.run_sync(lambda: shutil.copytree(image_dir, parked, copy_function=_link_or_copy))
+            rec.status, rec.cold, rec.memory_image, rec.error = "paused", True, parked, f"restore failed: {e}"
+            self._save(rec)
+            raise EnvError(f"checkpointed, but restoring it failed: it is parked with its image (resume retries): {e}",
+                           env_id=rec.id) from e
+        if frozen:
+            await trio.to_thread.run_sync(self._cgroups[rec.id].freeze)
+            rec.status = "paused"
+            self._save(rec)
+
+    def finish_resume(self, rec: EnvRecord) -> None:
+        """A parked env restored: its image is not needed any more. Blocking."""
+        if rec.memory_image:
+            shutil.rmtree(rec.memory_image, ignore_errors=True)
+            rec.memory_image = ""
+            rec.error = ""
