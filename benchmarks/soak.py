@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weenv.provision.cgroups._warm import SCRATCH_PREFIX
+
 from ._util import _commit, machine, median, percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,11 +71,13 @@ def _mounts_under(prefix: str) -> set[str]:
 
 
 def _cgroups(root: str) -> list[str]:
+    """Groups left under weenv's parent ``root``, but the daemon's two scratch groups (cgroups/_warm.py),
+    which it keeps while it runs (their parked process is the daemon's, by design)."""
     out = []
     for hier in ("memory", "cpu", "pids", "freezer", "cpuacct", "unified"):
         for dirpath, dirnames, _ in os.walk(f"/sys/fs/cgroup/{hier}"):
             if os.path.basename(dirpath) == root:
-                out += [f"{dirpath}/{d}" for d in dirnames]
+                out += [f"{dirpath}/{d}" for d in dirnames if not d.startswith(SCRATCH_PREFIX)]
                 dirnames[:] = []
     return out
 
@@ -87,7 +91,7 @@ def _env_pids(root: str) -> list[str]:
         try:
             with open(f"/proc/{p}/cgroup") as f:
                 groups = [line.split(":", 2)[2].strip() for line in f if f"/{root}/" in line]
-            if groups:
+            if groups and not any(f"/{root}/{SCRATCH_PREFIX}" in g for g in groups):
                 with open(f"/proc/{p}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
                 with open(f"/proc/{p}/stat") as f:
@@ -95,6 +99,26 @@ def _env_pids(root: str) -> list[str]:
                 out.append(f"{p} ({state}, parent {ppid}) {cmd} {groups[0]}")
         except OSError:
             pass
+    return out
+
+
+def _dying(line: str) -> bool:
+    """Whether an ``_env_pids`` line is a process already dead: exiting (X), or a zombie (Z) whose parent is
+    pid 1 or none (the kernel or init reaps it; nothing of weenv's holds it)."""
+    return "(X, " in line or "(Z, parent 1)" in line or "(Z, parent 0)" in line
+
+
+def _movers(root: str) -> set[int]:
+    """The daemon's parked process of its scratch groups (at most one: cgroups/_warm.py)."""
+    out = set()
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/cgroup") as f:
+                    if f"/{root}/{SCRATCH_PREFIX}" in f.read():
+                        out.add(int(p))
+            except OSError:
+                pass
     return out
 
 
@@ -380,16 +404,17 @@ def run_soak(n: int, concurrency: int, quick: bool, use_e2b: bool = True) -> dic
             c.gc()
             left_snaps = [x["id"] for x in c.snapshots()]
         time.sleep(1.0)  # the monitor's and the ttl loop's last tick
-        # a zombie whose parent is pid 1 is dead and waits for init to reap it: not a leak (counted)
+        # a process that is exiting (X) or a zombie whose parent is gone or pid 1 (Z) is dead and waits for
+        # the kernel or init to finish with it: not a leak (counted). Wait until only live ones are left.
         live_pids: list[str] = []
         for _ in range(50):
             pids = _env_pids(d.cgroup_root)
-            live_pids = [p for p in pids if "(Z, parent 1)" not in p]
-            if not pids or live_pids:
+            live_pids = [p for p in pids if not _dying(p)]
+            if len(live_pids) == len(pids):
                 break
             time.sleep(0.1)
-        if pids and not live_pids:
-            notes.append(f"{len(pids)} dead env processes were still waiting for pid 1 to reap them")
+        if len(pids) > len(live_pids):
+            notes.append(f"{len(pids) - len(live_pids)} dead env processes were still being reaped")
         samples["end"] = _rss_fds(pid)
         trees_dir = os.path.join(home, "snapshot-trees")
         skip = tuple(os.path.join(home, p) for p in ("envlet", "layer-trees", "store"))
@@ -402,7 +427,7 @@ def run_soak(n: int, concurrency: int, quick: bool, use_e2b: bool = True) -> dic
             "containers left": os.listdir(os.path.join(home, "run", "crun"))
             if os.path.isdir(os.path.join(home, "run", "crun")) else [],
             "env processes left": live_pids,
-            "daemon children added": sorted(_children(pid) - base_children - {envlet_pid}),
+            "daemon children added": sorted(_children(pid) - base_children - {envlet_pid} - _movers(d.cgroup_root)),
             "veths/netns added": sorted(set(_veths()) - base_veths),
             "snapshot trees left": [n for n in (os.listdir(trees_dir) if os.path.isdir(trees_dir) else [])
                                     if n != ".id-base"],  # the trees' owner marker (weenv/provision/runtime/_idmap.py)
