@@ -105,6 +105,58 @@ def test_the_janitor_drops_pools_nobody_asked_for() -> None:
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_refill_under_way_when_the_pool_is_drained_kills_its_env_to_the_end_even_when_cancelled() -> None:
+    """The daemon's stop drains the pools, waits for the refills (settle), then cancels its
+    background work: a pooled env mid-start must not outlive that (its kill is shielded)."""
+    fake = FakeEnvs()
+    finished: list[str] = []
+
+    async def slow_kill(env_id: str) -> None:
+        await trio.sleep(1)  # a kill takes time: a cancel may land in the middle
+        await fake.kill(env_id)
+        finished.append(env_id)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            def spawn(fn, *args) -> bool:  # type: ignore[no-untyped-def]
+                nursery.start_soon(fn, *args)
+                return True
+
+            pool = WarmPool(size=1, idle_s=60, envs=fake.envs, start=fake.start, kill=slow_kill, spawn=spawn,
+                            refill_delay_s=0)
+            pool.take(_lock())
+            await trio.sleep(0.5)  # the refill's start (1 s) is under way
+            assert await pool.drain() == [] and fake.started == []
+            assert await pool.settle(0.1) is False  # still starting: settle says so, bounded
+            await trio.sleep(0.6)  # its start is done; its kill (1 s) has begun
+            assert fake.started == ["x-1"] and finished == []
+            nursery.cancel_scope.cancel()  # what the daemon's stop does next
+        assert finished == ["x-1"] and fake.envs == {}  # the kill ran to its end
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_settle_returns_once_the_refills_end() -> None:
+    fake = FakeEnvs()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            def spawn(fn, *args) -> bool:  # type: ignore[no-untyped-def]
+                nursery.start_soon(fn, *args)
+                return True
+
+            pool = WarmPool(size=1, idle_s=60, envs=fake.envs, start=fake.start, kill=fake.kill, spawn=spawn,
+                            refill_delay_s=0)
+            pool.take(_lock())
+            await trio.sleep(0.5)
+            await pool.drain()
+            t0 = trio.current_time()
+            assert await pool.settle(60) is True
+            assert trio.current_time() - t0 < 2 and fake.killed == ["x-1"] and fake.envs == {}
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 def test_ttls_kill_on_monotonic_time_not_the_wall_clock(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     envs = {i: EnvRecord(id=i, name=i, status=s) for i, s in
             (("short", "running"), ("paused", "paused"), ("long", "running"), ("pooled", "pooled"), ("none", "running"))}

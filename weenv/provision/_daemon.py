@@ -309,7 +309,7 @@ class Daemon:
     async def _stop_envs(self) -> None:
         m = self.manager
         try:
-            await m.drain_pools()
+            await m.drain_pools(settle_s=60.0)  # a refill cancelled mid-start or mid-kill would leave its env
         except Exception as e:
             log.warning("stop: draining the warm pools failed: %s", e)
         if not self._stop_kill_envs:

@@ -274,9 +274,13 @@ class EnvManager:
 
     # ------------------------------------------------------------------ warm pool
 
-    async def drain_pools(self) -> list[str]:
-        """Kill every pooled env and forget the pools (gc, shutdown of the pool)."""
-        return await self._pool.drain()
+    async def drain_pools(self, *, settle_s: float | None = None) -> list[str]:
+        """Kill every pooled env and forget the pools (gc, shutdown of the pool); with ``settle_s``,
+        then wait that long at most for the refills under way to end (each kills what it started)."""
+        killed = await self._pool.drain()
+        if settle_s is not None and not await self._pool.settle(settle_s):
+            log.warning("warm pool: refills still under way after %g s", settle_s)
+        return killed
 
     async def pool_janitor(self, idle_s: float = 120.0, interval_s: float = 5.0) -> None:
         """Drop the pools of locks nobody asked for lately."""

@@ -95,14 +95,28 @@ class WarmPool:
             await trio.sleep(self.refill_delay_s)  # the create that asked is answered and used first
             while len(self._pools.get(key, ())) < self.size and key in self._used:
                 rec = await self._start(lock)
-                if key not in self._used:  # dropped (idle, or gc) while this one was starting
-                    await self._kill(rec.id)
+                if key not in self._used:  # dropped (idle, gc, the daemon stopping) while this one was starting
+                    await self._kill_shielded(rec.id)
                     break
                 self._pools.setdefault(key, []).append(rec.id)
         except (ProvisionError, EnvletError) as e:
             log.info("warm pool: no refill for %s: %s", lock.name, e)
         finally:
             self._refilling.discard(key)
+
+    async def _kill_shielded(self, env_id: str) -> None:
+        """Kill a pooled env to the end: a kill cut short by a cancel (a gc's client gone, the daemon
+        stopping) would leave its mounts and cgroups behind, and nobody knows a pooled env's id."""
+        with trio.CancelScope(shield=True):
+            await self._kill(env_id)
+
+    async def settle(self, timeout_s: float = 60.0) -> bool:
+        """Wait until no refill is under way (after :meth:`drain`, each ends with the start it was
+        in, whose env it kills); False if some were still going after ``timeout_s``."""
+        with trio.move_on_after(timeout_s):
+            while self._refilling:
+                await trio.sleep(0.05)
+        return not self._refilling
 
     def _pooled(self, env_id: str) -> bool:
         return env_id in self._envs and self._envs[env_id].status == "pooled"
@@ -113,7 +127,7 @@ class WarmPool:
             while ids:
                 env_id = ids.pop(0)
                 if self._pooled(env_id):
-                    await self._kill(env_id)
+                    await self._kill_shielded(env_id)
                     return True
         return False
 
@@ -124,7 +138,7 @@ class WarmPool:
         for key in list(self._pools):
             for env_id in self._pools.pop(key, []):
                 if self._pooled(env_id):
-                    await self._kill(env_id)
+                    await self._kill_shielded(env_id)
                     killed.append(env_id)
         return killed
 
@@ -138,4 +152,4 @@ class WarmPool:
                     del self._used[key]
                     for env_id in self._pools.pop(key, []):
                         if self._pooled(env_id):
-                            await self._kill(env_id)
+                            await self._kill_shielded(env_id)
