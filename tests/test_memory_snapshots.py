@@ -67,6 +67,15 @@ def start_counter(env) -> int:
     return int(r.stdout)
 
 
+def fill_shm(env, mib: int = 48) -> None:
+    """``mib`` MiB of random bytes in /dev/shm/blob, checked (head -c reads until it has them all;
+    dd counts a short read as a block and its check was only the exit status: a loaded CI run
+    parked an image of 39.6 MiB after a 48 MiB dd, and nothing said how much dd wrote)."""
+    r = env.exec(["sh", "-c", f"head -c {mib << 20} /dev/urandom >/dev/shm/blob && wc -c </dev/shm/blob"],
+                 timeout_s=60)
+    assert r.exit_code == 0 and int(r.stdout) == mib << 20, r
+
+
 def read_counter(env, pid: int) -> int:
     """The count held in process ``pid``'s memory (it writes it when signalled)."""
     r = env.exec(["sh", "-c", f"rm -f /tmp/v.{pid}; kill -USR1 {pid} || exit 9; "
@@ -103,8 +112,7 @@ def test_park_frees_the_memory_and_resume_brings_the_processes_back(daemon, tmp_
     with daemon.client() as c, c.create(lock, ttl_s=600) as env:
         pid = start_counter(env)
         # 48 MiB in the sandbox's memory (its /dev/shm is the Sentry's tmpfs), checkpointed with it
-        assert env.exec(["sh", "-c", "dd if=/dev/urandom of=/dev/shm/blob bs=1M count=48 2>/dev/null"],
-                        timeout_s=60).exit_code == 0
+        fill_shm(env)
         sum_before = env.exec(["md5sum", "/dev/shm/blob"]).stdout
         time.sleep(0.3)
         before = read_counter(env, pid)

@@ -16,7 +16,7 @@ import pytest
 import weenv
 from tests.test_elastic_daemon import prometheus
 from tests.test_gvisor import _gvisor_lock
-from tests.test_memory_snapshots import (cgroup_memory_bytes, cgroup_procs, gvisor_platform,  # noqa: F401
+from tests.test_memory_snapshots import (cgroup_memory_bytes, cgroup_procs, fill_shm, gvisor_platform,  # noqa: F401
                                          pids, read_counter, start_counter)
 from weenv.testing import wait_for
 
@@ -36,17 +36,12 @@ def ps_status(daemon, env_id: str) -> str:
     return row.strip()[len(env_id):].strip().split("  ")[0]
 
 
-def _fill(env, mib: int = 48) -> None:
-    assert env.exec(["sh", "-c", f"dd if=/dev/urandom of=/dev/shm/blob bs=1M count={mib} 2>/dev/null"],
-                    timeout_s=60).exit_code == 0
-
-
 @pytest.mark.usefixtures("gvisor_platform")
 def test_a_freeze_with_park_after_is_parked_once_it_stayed_paused(daemon, tmp_path):
     lock = _gvisor_lock(daemon, tmp_path)
     with daemon.client() as c, c.create(lock, ttl_s=600) as env:
         pid = start_counter(env)
-        _fill(env)
+        fill_shm(env)
         time.sleep(0.2)
         before = read_counter(env, pid)
         t0 = time.time()
