@@ -255,10 +255,24 @@ class VolumeStore:
             _run(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev", image, mnt])
         return mnt
 
-    def _detach(self, vol_id: str) -> None:
+    def _detach(self, vol_id: str, timeout_s: float = 5.0) -> None:
+        """Unmount the volume's file system and wait (bounded) for its loop device to go: autoclear
+        detaches it after the last close, asynchronously, and a mount of the image meanwhile would
+        find a device on its way out (or, by its deletion, an image file still held)."""
         mnt = self.mount_point(vol_id)
+        was_mounted = False
         while _mounted(mnt):
             _mounts.unmount(mnt)
+            was_mounted = True
+        if not was_mounted:
+            return
+        image = os.path.join(self._dir(vol_id), "image")
+        deadline = time.monotonic() + timeout_s
+        while os.path.exists(image) and self._loop_of(image) is not None:
+            if time.monotonic() > deadline:
+                log.warning("volume %s: its loop device is still attached %g s after the unmount", vol_id, timeout_s)
+                return
+            time.sleep(0.02)
 
     def bind_for_env(self, env_id: str, ref: str, target_dir: str) -> tuple[VolumeRecord, str]:
         """Mount the volume (or find it mounted) and bind it at ``target_dir`` (a new directory in
