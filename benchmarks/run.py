@@ -33,6 +33,7 @@ BENCHMARKS = [
     ("snapshot", "pause, resume, commit, fork vs cp -a", 900),
     ("memory_snapshots", "gVisor memory snapshots: park, resume, fork ×3 vs cold start + rebuild, vs bare runsc", 900),
     ("peers_fork", "commit + fork x8 of a running env vs docker / podman commit + 8 x run", 900),
+    ("peers_cold", "cold start from a registry at 100 MB/s: weenv lazy (± prefetch list) vs docker pull + run", 1800),
     ("monitor_overhead", "monitor CPU per 100 envs", 900),
     ("density", "density and overcommit: static vs elastic sizing", 3600),
     ("rollout", "slime rollout step: fresh env per sample vs fork per group", 1800),
