@@ -63,6 +63,33 @@ def run_one(name: str, quick: bool, timeout_s: float) -> tuple[bool, float, str]
     return p.returncode == 0, time.perf_counter() - t0, "" if p.returncode == 0 else out
 
 
+def goal_misses(names: list[str], quick: bool) -> list[str]:
+    """Every goal a saved result marks missed ("NAME: metric: value (goal ...)"), for the names run."""
+    import json
+
+    out = []
+    for name in names:
+        path = ROOT / "benchmarks" / "results" / f"{name}{'.quick' if quick else ''}.json"
+        try:
+            rows = json.loads(path.read_text()).get("rows", [])
+        except (OSError, ValueError):
+            continue
+        for r in rows:
+            if r.get("ok") is False:
+                base = (f" vs {r['baseline']:.4g} ({r.get('baseline_label') or 'baseline'})"
+                        if r.get("baseline") is not None else "")
+                out.append(f"{name}: {r['metric']}: {r['value']:.4g} {r['unit']}{base}; goal {r.get('goal')}")
+    return out
+
+
+def print_misses(names: list[str], quick: bool) -> None:
+    misses = goal_misses(names, quick)
+    kind = "quick run: smoke numbers on small inputs, not measurements" if quick else "this run"
+    print(f"=== goals missed ({kind}): {len(misses)}")
+    for line in misses:
+        print("  MISSED " + line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
@@ -82,6 +109,8 @@ def main() -> None:
             if not ok:
                 failures.append((name, detail))
                 print(detail, flush=True)
+    if not args.docs_only:
+        print_misses([n for n, _, _ in BENCHMARKS if not only or n in only], args.quick)
     if args.quick and not args.no_docs:
         print("quick run: docs/benchmarks.md left as it is (smoke runs measure nothing)")
     elif not args.no_docs:
