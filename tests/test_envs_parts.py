@@ -181,3 +181,58 @@ def test_ttls_kill_on_monotonic_time_not_the_wall_clock(monkeypatch) -> None:  #
     assert sorted(killed) == ["paused", "short"]  # "long" still has its hour; pooled envs have no TTL yet
     ttls.expire_in(envs["long"], None)
     assert envs["long"].expires_s is None
+
+
+# -- the state file's two slots (envs/_state.py) ---------------------------------------------------
+
+
+def test_saves_alternate_slots_and_load_takes_the_newest(tmp_path) -> None:
+    from weenv.provision.envs import _state
+
+    envs = str(tmp_path)
+    rec = EnvRecord(id="e1", name="e")
+    for status in ("creating", "running", "paused"):
+        rec.status = status  # type: ignore[assignment]
+        _state.save(envs, rec)
+    d = tmp_path / "e1"
+    assert sorted(p.name for p in d.iterdir()) == ["state.a", "state.b"]
+    back = _state.load(envs, "e1")
+    assert back is not None and (back.status, back.state_seq) == ("paused", 3)
+    _state.save(envs, back)  # a record read back goes on from its number: the older slot is overwritten
+    assert _state.load(envs, "e1").state_seq == 4  # type: ignore[union-attr]
+
+
+def test_a_save_cut_short_leaves_the_one_before_it(tmp_path) -> None:
+    from weenv.provision.envs import _state
+
+    envs = str(tmp_path)
+    rec = EnvRecord(id="e1", name="e", status="running")
+    _state.save(envs, rec)  # seq 1 → state.b
+    rec.status = "paused"
+    _state.save(envs, rec)  # seq 2 → state.a
+    newest = tmp_path / "e1" / "state.a"
+    data = newest.read_bytes()
+    for cut in (len(data) - 1, len(data) // 2, 5, 0):
+        newest.write_bytes(data[:cut])  # a crash mid-write
+        back = _state.load(envs, "e1")
+        assert back is not None and (back.status, back.state_seq) == ("running", 1), cut
+    newest.write_bytes(data[:-3] + b"  }")  # as long, other bytes: the CRC tells
+    assert _state.load(envs, "e1").status == "running"  # type: ignore[union-attr]
+    (tmp_path / "e1" / "state.b").write_bytes(b"")
+    assert _state.load(envs, "e1") is None  # nothing valid: as a missing record
+
+
+def test_a_legacy_state_json_is_read_and_removed_by_the_next_save(tmp_path) -> None:
+    import msgspec
+
+    from weenv.provision.envs import _state
+
+    d = tmp_path / "e1"
+    d.mkdir()
+    (d / "state.json").write_bytes(msgspec.json.encode(EnvRecord(id="e1", name="e", status="running")))
+    back = _state.load(str(tmp_path), "e1")
+    assert back is not None and back.status == "running" and back.state_seq == 0
+    back.status = "paused"
+    _state.save(str(tmp_path), back)
+    assert not (d / "state.json").exists()
+    assert _state.load(str(tmp_path), "e1").status == "paused"  # type: ignore[union-attr]
