@@ -236,3 +236,26 @@ def test_a_legacy_state_json_is_read_and_removed_by_the_next_save(tmp_path) -> N
     _state.save(str(tmp_path), back)
     assert not (d / "state.json").exists()
     assert _state.load(str(tmp_path), "e1").status == "paused"  # type: ignore[union-attr]
+
+
+def test_a_plan_text_seen_lately_is_not_parsed_again_and_a_bad_one_is_not_kept(monkeypatch) -> None:
+    import pytest
+
+    from weenv.plan import PlanError
+    from weenv.provision.server import _routes
+
+    calls = []
+    real = _routes.load_any
+    monkeypatch.setattr(_routes, "load_any", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    _routes._plan_text_cached.cache_clear()
+    text = 'name = "p"\n\n[[groups]]\nname = "os"\nref = "busybox:test"\nclass = "os"\n'
+    first = _routes._plan_text(text, None, "body")
+    assert _routes._plan_text(text, None, "body") is first and len(calls) == 1
+    for _ in range(2):
+        with pytest.raises(PlanError):
+            _routes._plan_text('name = "p"\nbogus = 1\n', None, "body")
+    assert len(calls) == 3  # errors are parsed (and reported) every time
+    big = text + "#" * (_routes._PLAN_CACHE_MAX_TEXT + 1) + "\n"
+    _routes._plan_text(big, None, "body")
+    _routes._plan_text(big, None, "body")
+    assert len(calls) == 5  # too big to keep
