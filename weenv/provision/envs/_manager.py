@@ -32,7 +32,7 @@ import trio
 
 from ..._wire import ProcessEnd, ProcessInfo
 from ...envlet import EnvletClient, EnvletError
-from ...plan import Lock, Plan, PlanValidationError, apply_overrides, plan_to_builtins
+from ...plan import Lock, Plan, PlanValidationError, apply_overrides, is_locked, plan_to_builtins
 from ...plan._model import network_policy
 from ...plan._validate import gvisor_disk_problem
 from .._errors import (AdmissionError, CgroupError, ContainerNotFoundError, EnvNotFoundError, EnvStartError,
@@ -199,7 +199,8 @@ class EnvManager:
         network can never open the node, loopback, link-local or other envs (:meth:`_check_tenant`).
         """
         t0 = time.perf_counter()
-        lock = await trio.to_thread.run_sync(lock_for, plan)
+        # a lock passes through as it is: no worker thread for it (~0.2 ms of a pooled create)
+        lock = plan if is_locked(plan) else await trio.to_thread.run_sync(lock_for, plan)
         await check_start(self.lock_verifier, lock)
         mode = network_policy(lock).mode
         if restricted:
