@@ -45,17 +45,17 @@ def test_a_freeze_with_park_after_is_parked_once_it_stayed_paused(daemon, tmp_pa
         time.sleep(0.2)
         before = read_counter(env, pid)
         t0 = time.time()
-        env.pause(park_after_s=1.5)
+        env.pause(park_after_s=4)  # long enough that a loaded machine still sees it frozen first
         info = c.get(env.id).info
         assert (info["status"], info["parked"], info["not_parked_because"]) == ("paused", False, ""), info
-        assert t0 + 1.4 < info["park_at_s"] < time.time() + 1.6, info  # the info says when
+        assert t0 + 3.9 < info["park_at_s"] < time.time() + 4.1, info  # the info says when
         frozen = cgroup_memory_bytes(env.id)
         assert cgroup_procs(env.id) != []  # frozen, not parked yet
         samples = prometheus(c)
         assert (samples[("weenv_envs_frozen", ())], samples[("weenv_envs_park_pending", ())],
                 samples[("weenv_envs_parked", ())]) == (1, 1, 0), samples
         assert ps_status(daemon, env.id).startswith("paused, parks in ")
-        assert wait_for(lambda: c.get(env.id).info["parked"], timeout_s=15), c.get(env.id).info
+        assert wait_for(lambda: c.get(env.id).info["parked"], timeout_s=18), c.get(env.id).info
         parked_after = time.time() - t0
         info = c.get(env.id).info
         assert (info["status"], info["park_at_s"], info["init_pid"]) == ("paused", None, 0), info
@@ -66,9 +66,9 @@ def test_a_freeze_with_park_after_is_parked_once_it_stayed_paused(daemon, tmp_pa
         assert (samples[("weenv_envs_frozen", ())], samples[("weenv_envs_parked", ())]) == (0, 1), samples
         assert image_bytes > 40 << 20, samples  # the 48 MiB of random bytes, on disk now
         assert ps_status(daemon, env.id) == "parked"
-        print(f"parked {parked_after:.2f} s after the pause (asked 1.5 s; park {info['timings_ms'].get('park')} ms); "
+        print(f"parked {parked_after:.2f} s after the pause (asked 4 s; park {info['timings_ms'].get('park')} ms); "
               f"cgroup memory frozen {frozen >> 20} MiB, parked {freed >> 20} MiB; image {int(image_bytes) >> 20} MiB")
-        assert 1.4 < parked_after < 15
+        assert 3.9 < parked_after < 18
         assert freed < frozen / 2, (frozen, freed)
         t1 = time.perf_counter()
         env.resume()  # transparently restored
@@ -178,10 +178,13 @@ def test_the_daemons_park_after_parks_every_freeze_across_a_restart(daemon, tmp_
         with daemon.client() as c:
             env, kept = c.create(lock), c.create(lock)
             pid = start_counter(env)
+            asked = time.time()
             env.pause()  # the daemon's policy
+            answered = time.time()
             kept.pause(park_after_s=math.inf)  # never, whatever the daemon says
             park_at = c.get(env.id).info["park_at_s"]
-            assert park_at is not None and park_at > time.time() + 2, c.get(env.id).info
+            # 3 s from the pause (not from now: a loaded machine may take a second to answer)
+            assert park_at is not None and asked + 3 - 0.01 <= park_at <= answered + 3 + 0.01, c.get(env.id).info
             assert c.get(kept.id).info["park_at_s"] is None
         daemon.kill9()  # the deadline is in the env's record
         daemon.start()
