@@ -178,6 +178,9 @@ class Overrides(RequestBody):
     user: Name | None = None
     network: Annotated[str, Meta(max_length=64)] | None = None
     volumes: Annotated[list[dict[str, Any]], Meta(max_length=32)] | None = None  # [[volumes]] beside the plan's
+    mounts: Annotated[list[dict[str, Any]], Meta(max_length=64)] | None = None
+    """``[[mounts]]`` (read-only host binds) beside the plan's; ``weenv serve`` takes them from
+    admin keys only, as a plan's."""
     def given(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
 

@@ -277,7 +277,17 @@ async def pull(request: Request, params: dict[str, str]) -> Response:
 
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _HOST = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?)"
-_REPO = re.compile(rf"^(?:{_HOST}/)?{_COMPONENT}(?:/{_COMPONENT})*$")
+_PATH = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
+_HOST_ONLY = re.compile(rf"^{_HOST}$")
+
+
+def _valid_repo(repo: str) -> bool:
+    """Docker's rule (distribution/reference ``ParseNormalizedNamed``): the first component is a
+    registry host when it holds a '.' or a ':' or is ``localhost``; the path is lowercase."""
+    first, sep, rest = repo.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        return bool(_HOST_ONLY.match(first)) and bool(_PATH.match(rest))
+    return bool(_PATH.match(repo))
 _TAG = re.compile(r"^[\w][\w.-]{0,127}$")
 
 
@@ -292,8 +302,8 @@ def tag_ref(repo: str, tag: str, where: str = "repo") -> str:
     if "@" in repo:
         raise HttpError(400, "bad_request", f"{where} {repo[:200]!r}: refusing to create a tag with a digest "
                         "reference")
-    if not _REPO.match(repo) or len(repo) > 255:
-        lower = " : repository name must be lowercase" if _REPO.match(repo.lower()) else ""
+    if not _valid_repo(repo) or len(repo) > 255:
+        lower = ": repository name must be lowercase" if _valid_repo(repo.lower()) else ""
         raise HttpError(400, "bad_request", f"invalid reference format{lower} ({where} {repo[:200]!r})")
     tag = tag or "latest"
     if not _TAG.match(tag):
