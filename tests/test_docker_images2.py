@@ -11,6 +11,7 @@ import os
 import stat
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -166,8 +167,11 @@ def _commit_round(c, image: str):  # type: ignore[no-untyped-def]
     ct = c.containers.run(image, "sleep 300", detach=True, labels=LABEL, network_mode="none")
     ct.exec_run(["sh", "-c", "mkdir -p /work && echo committed-content > /work/committed.txt"])
     ct.pause()
+    t = time.monotonic()
     img = ct.commit(repository="weenv-test/committed", tag="v1", message="a message", author="weenv test",
                     changes=CHANGES)  # a paused container: commit keeps it as it is
+    print(f"commit ({'weenv' if '127.0.0.1' in str(c.api.base_url) else 'dockerd'}) "
+          f"{time.monotonic() - t:.3f} s")
     ct.reload()
     assert ct.status == "paused"
     ct.unpause()
@@ -238,7 +242,9 @@ def test_export_as_dockerd_answers(dk: DockerServed, alice, bob, real) -> None: 
             ti.size, ti.mode = 3, 0o640
             t.addfile(ti, io.BytesIO(b"hi\n"))
         ct.put_archive("/work", data.getvalue())
+        t = time.monotonic()
         got[c] = _exported(ct)
+        print(f"export ({'weenv' if c is alice else 'dockerd'}): {len(got[c])} members, {time.monotonic() - t:.2f} s")
         if c is alice:
             assert _status(lambda: b"".join(bob.api.export(ct.id))) == 404  # a stream: raised when read
         ct.remove()
@@ -292,8 +298,10 @@ def test_build_as_dockerd_answers(dk: DockerServed, alice, bob, real, tmp_path) 
     try:
         built = {}
         for c in (alice, real):
+            t = time.monotonic()
             img, logs = c.images.build(path=ctx, dockerfile="sub/Dockerfile.alt", tag="weenv-test/built:1",
                                        buildargs={"GREETING": "hi"}, network_mode="none")
+            print(f"build ({'weenv' if c is alice else 'dockerd'}) {time.monotonic() - t:.2f} s")
             logs = list(logs)
             text = "".join(x.get("stream", "") for x in logs)
             assert "Step 1/8 : FROM" in text and "Step 4/8 : RUN" in text and "run output" in text, text
@@ -402,3 +410,69 @@ def test_binds_for_an_admin_are_read_only_host_mounts(dk: DockerServed, alice, r
         assert alice.containers.list(all=True) == []
     finally:
         shutil.rmtree(host, ignore_errors=True)
+
+
+# -- bounded memory, a build's client going away ----------------------------------------------------------
+
+
+def _hwm_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_export_streams_a_gib_in_bounded_memory(dk: DockerServed, alice, docker_corpus: Corpus,  # type: ignore[no-untyped-def]
+                                               weenv_daemon: DaemonHandle) -> None:
+    from weenv.provision.envs._archive import ChunkReader
+
+    ct = alice.containers.create(docker_corpus.hard, "true", network_mode="none")
+    pids = {"serve": dk.served.proc.pid, "daemon": weenv_daemon.proc.pid}
+    before = {k: _hwm_bytes(p) for k, p in pids.items()}
+    t = time.monotonic()
+    sizes = {}
+    sent = [0]
+
+    def chunks() -> Iterator[bytes]:
+        for chunk in ct.export(chunk_size=1 << 20):
+            sent[0] += len(chunk)
+            yield chunk
+
+    with tarfile.open(fileobj=io.BufferedReader(ChunkReader(chunks()), 1 << 20), mode="r|") as tar:
+        for m in tar:
+            sizes[m.name.removeprefix("./")] = m.size
+    grew = {k: _hwm_bytes(p) - before[k] for k, p in pids.items()}
+    print(f"export of the hard image: {sent[0] / 2**20:.0f} MiB in {time.monotonic() - t:.1f} s; peak RSS grew "
+          + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in grew.items()))
+    assert sizes["hard/sparse"] == 1 << 30 and sent[0] > 1 << 30
+    assert all(v < 256 << 20 for v in grew.values()), grew  # streamed: the GiB was never held
+    ct.remove()
+
+
+def test_a_build_whose_client_goes_away_stops(dk: DockerServed, alice) -> None:  # type: ignore[no-untyped-def]
+    token = os.urandom(6).hex()
+    dockerfile = f"FROM {dk.image}\nRUN echo first-{token} && sleep 2\nRUN echo second-{token}\n".encode()
+    steps = os.path.join(dk.served.home, "cache", "docker-steps")
+    cached = lambda: sum(len(fs) for _, _, fs in os.walk(steps))  # noqa: E731
+    before = cached()
+    with dk.served.daemon.client() as c:
+        envs_before = {e.id for e in c.list()}
+    host, port = dk.served.url.split("://", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = _tar_of(dockerfile)
+    conn.request("POST", "/v1.45/build?networkmode=none", body=body,
+                 headers={"Authorization": f"Bearer {dk.served.keys['dk-alice']}", "Content-Type": "application/x-tar"})
+    r = conn.getresponse()
+    assert r.status == 200
+    seen = b""
+    while b"first-" + token.encode() not in seen:  # RUN's output of the first step: the client goes
+        line = r.readline()
+        assert line, seen
+        seen += line
+    conn.close()
+    for _ in range(600):  # the server says so once the first step ends
+        if "its client went away" in dk.served.log():
+            break
+        time.sleep(0.2)
+    assert "its client went away" in dk.served.log()
+    assert cached() - before in (0, 1)  # the first RUN cut short at its next output, or built; never the second
+    with dk.served.daemon.client() as c:
+        assert {e.id for e in c.list()} <= envs_before  # the step's env killed, no other started

@@ -223,7 +223,8 @@ async def dispatch(request: Request) -> Response:
         if params is not None:
             return await route.handler(request, params)
     shown = "/" + "/".join(urllib.parse.quote(s, safe=":@") for s in segments)
-    if any(r.match(r.method, segments) is not None for r in ROUTES):
+    if any(r.match(r.method, segments) is not None and not r.segments[-1].endswith("*}") for r in ROUTES):
+        # (a route ending in an image name, DELETE /images/{name*}, matches every path under it: not a 405)
         raise HttpError(405, "method_not_allowed", f"{request.method} is not allowed on {shown[:200]}")
     raise not_supported(f"{request.method} {shown[:200]}")
 

@@ -7,7 +7,7 @@ The context is received into a temporary directory of the server (at most
 :data:`MAX_CONTEXT_BYTES`, received and unpacked: a 413 naming the limit beyond), unpacked with
 tarfile's ``data`` filter (no absolute names, no ``..``, no device nodes, no links out). The
 build runs in a worker thread under the server's task group (a client that goes away stops it at
-its next step), at most :data:`CONCURRENT_BUILDS` at once; its progress is dockerd's JSON lines
+its next step or line of output), at most :data:`CONCURRENT_BUILDS` at once; its progress is dockerd's JSON lines
 (``{"stream": "Step 1/3 : FROM ..."}``, RUN's output, ``{"aux": {"ID": ...}}``,
 ``Successfully built``/``tagged``; a failure ``{"errorDetail": ..., "error": ...}``).
 
@@ -41,7 +41,7 @@ from starlette.responses import Response, StreamingResponse
 from ._common import HttpError, key_of, log, state_of
 from ._docker import not_supported
 from ._docker_containers import _flag, docker_state
-from ._docker_images import _line, find_id, find_tag, remember, tag_ref
+from ._docker_images import _line, normalized, own_images, remember, tag_ref
 from ._store import ApiKey
 
 MAX_CONTEXT_BYTES = int(os.environ.get("WEENV_DOCKER_BUILD_CONTEXT_BYTES", str(256 << 20)))
@@ -141,10 +141,13 @@ def _ref_checker(request: Request, key: ApiKey, work: str) -> Any:
     from ._tenant import check_image
 
     state = state_of(request)
+    own = list(own_images(request))  # read here, on the event loop: the worker thread reads the copy
 
     def check(ref: str, where: str) -> str | None:
-        rec = find_tag(request, ref) or find_id(request, ref)
-        if rec is not None and rec.owner == key.owner_fields():
+        rec = next((r for want in dict.fromkeys((ref, normalized(ref))) for r in own if want in r.refs), None) \
+            or next((r for r in own if r.id == ref or r.id.removeprefix("sha256:").startswith(ref.removeprefix(
+                "sha256:")) and len(ref.removeprefix("sha256:")) >= 12), None)
+        if rec is not None:
             if "snapshot" in rec.origin:
                 return str(rec.origin["snapshot"])
             if "plan" in rec.origin:
@@ -231,6 +234,7 @@ class _Job:
         self.work, self.context, self.dockerfile = work, context, dockerfile
         self.tags, self.build_args, self.labels, self.network = tags, build_args, labels, network
         self.quiet, self.no_cache, self.target, self.socket = quiet, no_cache, target, socket
+        self.check_ref = _ref_checker(request, key, work)  # on the event loop: it reads the key's records
         self.gone = threading.Event()
         self.history: list[str] = []
         self.send, self.receive = anyio.create_memory_object_stream[bytes](math.inf)
@@ -278,7 +282,7 @@ class _Job:
                 name=(self.tags[0].rsplit("/", 1)[-1].split(":", 1)[0] if self.tags else "docker-build"),
                 build_args=self.build_args, target=self.target, network=self.network, client=c,
                 log=lambda m: self._say(f" ---> {m.split(': ', 1)[-1]}\n"),
-                check_ref=_ref_checker(self.request, self.key, self.work), on_instruction=on_instruction,
+                check_ref=self.check_ref, on_instruction=on_instruction,
                 on_output=on_output, deadline=time.monotonic() + BUILD_TIMEOUT_S, no_cache=self.no_cache,
                 cache_root=os.path.join(_home.home(), "cache", "docker-steps", self.key.id))
 
