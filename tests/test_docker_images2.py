@@ -188,7 +188,7 @@ def test_commit_as_dockerd_answers(dk: DockerServed, alice, bob, real) -> None: 
         a, b = mine.attrs, theirs.attrs
         for k in IMAGE_CONFIG_KEYS:
             assert a["Config"].get(k) == b["Config"].get(k), (k, a["Config"].get(k), b["Config"].get(k))
-        for k in ("Comment", "Author", "Os", "Architecture"):
+        for k in ("Comment", "Author", "Os", "Architecture", "Parent"):
             assert a[k] == b[k], k
         assert mine.tags == theirs.tags == ["weenv-test/committed:v1"]
         assert len(a["RootFS"]["Layers"]) == len(b["RootFS"]["Layers"])  # one layer more than the image's

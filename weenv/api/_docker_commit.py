@@ -133,7 +133,7 @@ async def commit(request: Request, params: dict[str, str]) -> Response:
     diff_ids = [*(rootfs.get("diff_ids") or []), *[x["digest"] for x in answer.layers[-1:] if "digest" in x]]
     doc = {"architecture": parent_doc.get("architecture") or _arch(), "os": parent_doc.get("os") or "linux",
            "created": created, "author": q.get("author", ""), "comment": q.get("comment", ""), "config": config,
-           "container": c.id, "rootfs": {"type": "layers", "diff_ids": diff_ids},
+           "container": c.id, "parent": c.image_id, "rootfs": {"type": "layers", "diff_ids": diff_ids},
            "history": [*(parent_doc.get("history") or []),
                        {"created": created, "created_by": " ".join(c.argv), "comment": q.get("comment", "")}]}
     image_id = "sha256:" + hashlib.sha256(msgspec.json.encode([doc, answer.snapshot])).hexdigest()

@@ -162,7 +162,7 @@ def inspect_doc(rec: ImageRecord) -> dict[str, Any]:
     if img.get("StopSignal"):
         config["StopSignal"] = img["StopSignal"]
     rootfs = rec.config.get("rootfs") or {}
-    return {"Id": rec.id, "RepoTags": list(rec.refs), "RepoDigests": [], "Parent": "",
+    return {"Id": rec.id, "RepoTags": list(rec.refs), "RepoDigests": [], "Parent": rec.config.get("parent", ""),
             "Comment": rec.config.get("comment", ""), "Created": _created(rec), "DockerVersion": "",
             "Author": rec.config.get("author", ""), "Config": config,
             "Architecture": rec.config.get("architecture", ""), "Os": rec.config.get("os", ""),
