@@ -211,7 +211,8 @@ def test_only_admin_plans_reach_the_node(served: Served) -> None:
     host_net = {**tomllib.loads(lock), "network": "host"}
     with weenv.Client(served.url, token=served.keys["alice"]) as c:
         for body in ({"plan": mounts}, {"plan_text": json.dumps(host_net), "format": "json"},
-                     {"plan_text": lock, "overrides": {"network": "host"}}):
+                     {"plan_text": lock, "overrides": {"network": "host"}},
+                     {"plan_text": lock, "overrides": {"mounts": [{"source": "/srv", "target": "/srv"}]}}):
             r = c.connection.http.post("/v1/envs", json=body)
             assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], r.text
         assert c.list() == []

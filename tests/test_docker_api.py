@@ -334,8 +334,8 @@ def test_another_keys_containers_do_not_exist(dk: DockerServed, alice) -> None: 
 
 
 def test_what_is_not_served_says_so(alice, dk: DockerServed) -> None:  # type: ignore[no-untyped-def]
-    for call, what in ((alice.networks.list, "GET /networks"), (lambda: alice.api.commit("x"),
-                                                                 "POST /commit")):
+    for call, what in ((alice.networks.list, "GET /networks"), (lambda: alice.api.push("x/y"),
+                                                                 "POST /images/x/y/push")):
         with pytest.raises(docker.errors.APIError) as e:
             call()
         assert e.value.status_code == 501 and what in str(e.value), str(e.value)

@@ -169,8 +169,7 @@ class Overrides(RequestBody):
 
     name: Name | None = None
     ttl_s: TtlS | None = None
-    cpu: Cores | Annotated[str, Meta(max_length=64)] | None = None
-    """Cores: ``0.5``, ``"0.5"`` or a range ``"0.25-2"``."""
+    cpu: Cores | Annotated[str, Meta(max_length=64)] | None = None  # cores: 0.5, "0.5" or a range "0.25-2"
     memory: Bytes | Annotated[str, Meta(max_length=64)] | None = None
     """Bytes, ``"1GiB"`` or a range ``"512MiB-2GiB"``."""
     env: dict[EnvName, NoNul] | None = None
@@ -178,6 +177,7 @@ class Overrides(RequestBody):
     user: Name | None = None
     network: Annotated[str, Meta(max_length=64)] | None = None
     volumes: Annotated[list[dict[str, Any]], Meta(max_length=32)] | None = None  # [[volumes]] beside the plan's
+    mounts: Annotated[list[dict[str, Any]], Meta(max_length=64)] | None = None  # [[mounts]] too (admin keys only)
     def given(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
 

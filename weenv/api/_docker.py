@@ -10,7 +10,8 @@ segments name the container or exec instance that is authorized and used. A Dock
 weenv does not serve answers 501 naming it; every error is Docker's shape ``{"message": ...}``.
 
 The routes live in weenv/api/_docker_create.py, _docker_containers.py and _docker_lifecycle.py
-(containers), _docker_images.py, _docker_events.py, weenv/api/_docker_archive.py
+(containers), _docker_images.py (list, inspect, pull, tag, remove), _docker_commit.py (commit,
+export), _docker_build.py (``/build``), _docker_events.py, weenv/api/_docker_archive.py
 (``put_archive`` / ``get_archive``) and weenv/api/_docker_exec.py (exec); this module has the
 system routes, the framing of Docker's multiplexed streams (:func:`frame`), the errors and the dispatch.
 """
@@ -191,6 +192,8 @@ async def info(request: Request, params: dict[str, str]) -> Response:
 
 def _routes() -> list[DockerRoute]:
     from . import _docker_archive as a
+    from . import _docker_build as b
+    from . import _docker_commit as cm
     from . import _docker_containers as c
     from . import _docker_create as n
     from . import _docker_events as e
@@ -200,7 +203,7 @@ def _routes() -> list[DockerRoute]:
 
     table: list[tuple[str, str, Handler]] = [
         ("GET", "_ping", ping), ("GET", "version", version), ("GET", "info", info),
-        *n.ROUTES, *c.ROUTES, *a.ROUTES, *x.ROUTES, *i.ROUTES, *life.ROUTES, *e.ROUTES,
+        *n.ROUTES, *c.ROUTES, *a.ROUTES, *x.ROUTES, *i.ROUTES, *life.ROUTES, *e.ROUTES, *cm.ROUTES, *b.ROUTES,
     ]
     return [DockerRoute(m, tuple(p.split("/")), h) for m, p, h in table]
 
@@ -220,7 +223,8 @@ async def dispatch(request: Request) -> Response:
         if params is not None:
             return await route.handler(request, params)
     shown = "/" + "/".join(urllib.parse.quote(s, safe=":@") for s in segments)
-    if any(r.match(r.method, segments) is not None for r in ROUTES):
+    if any(r.match(r.method, segments) is not None and not r.segments[-1].endswith("*}") for r in ROUTES):
+        # (a route ending in an image name, DELETE /images/{name*}, matches every path under it: not a 405)
         raise HttpError(405, "method_not_allowed", f"{request.method} is not allowed on {shown[:200]}")
     raise not_supported(f"{request.method} {shown[:200]}")
 

@@ -76,6 +76,12 @@ class Container:
     execs: list[str] = field(default_factory=list)
     settled: anyio.Event = field(default_factory=lambda: _set(anyio.Event()))  # its last run's ending done
     paused: bool = False  # frozen (weenv's pause): status stays running, as Docker's State.Running
+    binds: list[dict[str, str]] = field(default_factory=list)  # the plan's [[mounts]] its Binds/Mounts made
+
+    def mounts_doc(self) -> list[dict[str, Any]]:
+        """Docker's ``Mounts`` of inspect and list: each host bind, read-only."""
+        return [{"Type": "bind", "Source": m["source"], "Destination": m["target"], "Mode": "ro", "RW": False,
+                 "Propagation": "rprivate"} for m in self.binds]
 
     @property
     def running(self) -> bool:
@@ -112,6 +118,7 @@ class DockerState:
     execs: dict[str, Any] = field(default_factory=dict)
     images: list[Any] = field(default_factory=list)  # weenv/api/_docker_images.py's records
     events: Any = None  # weenv/api/_docker_events.py's log
+    build_slots: Any = None  # weenv/api/_docker_build.py's limiter, made in the event loop
 
 
 def docker_state(state: ApiState) -> DockerState:
@@ -297,7 +304,7 @@ def inspect_doc(c: Container) -> dict[str, Any]:
             "State": _state(c), "Image": c.image_id, "ResolvConfPath": "", "HostnamePath": "", "HostsPath": "",
             "LogPath": "", "Name": "/" + c.name, "RestartCount": 0, "Driver": "weenv", "Platform": "linux",
             "MountLabel": "", "ProcessLabel": "", "AppArmorProfile": "", "ExecIDs": list(c.execs) or None,
-            "HostConfig": c.host_config, "Mounts": [], "Config": c.config,
+            "HostConfig": c.host_config, "Mounts": c.mounts_doc(), "Config": c.config,
             "NetworkSettings": {"Bridge": "", "Ports": {}, "IPAddress": "", "Networks": {}},
             "GraphDriver": {"Name": "weenv", "Data": {"EnvId": c.env_id}}}
 
@@ -371,7 +378,7 @@ async def list_containers(request: Request, params: dict[str, str]) -> Response:
                     "Labels": c.config.get("Labels") or {}, "State": "paused" if c.paused else c.status,
                     "Status": status,
                     "HostConfig": {"NetworkMode": c.host_config["NetworkMode"]},
-                    "NetworkSettings": {"Networks": {}}, "Mounts": []})
+                    "NetworkSettings": {"Networks": {}}, "Mounts": c.mounts_doc()})
     if limit.lstrip("-").isdigit() and int(limit) > 0:
         out = out[:int(limit)]
     return _json(out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 import shlex
+import time
 from typing import Any
 
 import anyio
@@ -17,7 +18,7 @@ from starlette.responses import Response
 from ._common import HttpError, daemon_errors, key_of, log, read_body, state_of
 from ._docker import not_supported
 from ._docker_containers import _NAME, Container, _json, docker_state, emit
-from ._docker_images import remember
+from ._docker_images import find_id, find_tag, normalized, remember
 from ._store import ApiKey
 
 MAX_CREATE_BODY_BYTES = 1 << 20
@@ -57,15 +58,55 @@ def _argv(value: list[str] | str | None) -> list[str] | None:
     return shlex.split(value) if isinstance(value, str) else value
 
 
+_BIND_OPTIONS = frozenset({"ro", "rw", "z", "Z", "private", "rprivate", "slave", "rslave", "shared", "rshared",
+                           "nocopy"})
+
+
+def host_binds(hc: HostConfigBody) -> list[dict[str, str]]:
+    """``HostConfig.Binds`` (``/host:/ctr[:ro]``) and ``Mounts`` (``Type: bind``) as the plan's
+    ``[[mounts]]``: weenv's host binds are read-only (nodev, nosuid, noexec), so a bind must say
+    ``ro`` (``ReadOnly: true``); a named volume, tmpfs or a writable bind is 501 naming it. The plan
+    checks the paths (no source that exposes the host: /, /etc, /proc, ... ; docs/plans.md)."""
+    out = []
+    for i, bind in enumerate(hc.Binds or []):
+        where = f"HostConfig.Binds[{i}] {bind[:200]!r}"
+        parts = bind.split(":")
+        if len(parts) not in (2, 3) or not all(parts[:2]):
+            raise HttpError(400, "bad_request", f"{where}: expected /HOST/PATH:/CONTAINER/PATH[:ro]")
+        opts = set(parts[2].split(",")) if len(parts) == 3 else set()
+        if not parts[0].startswith("/"):
+            raise not_supported(f"{where}: named volumes (a bind names an absolute host path)")
+        if not parts[1].startswith("/"):
+            raise HttpError(400, "bad_request", f"{where}: the container path must be absolute")
+        if opts - _BIND_OPTIONS:
+            raise HttpError(400, "bad_request", f"{where}: unknown option {sorted(opts - _BIND_OPTIONS)[0]!r}")
+        if "ro" not in opts or "rw" in opts:
+            raise not_supported(f"{where}: a writable host bind (weenv's host binds are read-only: add ':ro')")
+        out.append({"source": parts[0], "target": parts[1]})
+    for i, m in enumerate(hc.Mounts or []):
+        where = f"HostConfig.Mounts[{i}]"
+        if not isinstance(m, dict):
+            raise HttpError(400, "bad_request", f"{where}: expected an object")
+        if m.get("Type", "volume") != "bind":
+            raise not_supported(f"{where}: Type {str(m.get('Type', 'volume'))[:50]!r} (bind is)")
+        source, target = m.get("Source"), m.get("Target")
+        if not isinstance(source, str) or not isinstance(target, str) or not source or not target:
+            raise HttpError(400, "bad_request", f"{where}: Source and Target (absolute paths) are required")
+        if m.get("ReadOnly") is not True:
+            raise not_supported(f"{where}: a writable host bind (weenv's host binds are read-only: ReadOnly: true)")
+        out.append({"source": source, "target": target})
+    return out
+
+
 def _overrides(key: ApiKey, body: CreateBody) -> dict[str, Any]:
     hc = body.HostConfig or HostConfigBody()
+    out: dict[str, Any] = {}
     if hc.Binds or hc.Mounts:
         if not key.admin:
             raise HttpError(403, "forbidden", "HostConfig.Binds and HostConfig.Mounts (host paths) need an admin key")
-        raise not_supported("HostConfig.Binds and HostConfig.Mounts")
+        out["mounts"] = host_binds(hc)
     if hc.Privileged:
         raise not_supported("HostConfig.Privileged (weenv envs never get the host's devices or capabilities)")
-    out: dict[str, Any] = {}
     if hc.Memory < 0 or hc.NanoCpus < 0:
         raise HttpError(400, "bad_request", "HostConfig.Memory and HostConfig.NanoCpus cannot be negative")
     if hc.Memory:
@@ -181,11 +222,29 @@ async def create(request: Request, params: dict[str, str]) -> Response:
         raise HttpError(409, "conflict", f'Conflict. The container name "/{name}" is already in use by container '
                         f'"{taken.id}". You have to remove (or rename) that container to be able to reuse that name.')
     overrides = _overrides(key, body)
-    req, _public, plan = _tenant.create_body(state, key, msgspec.json.encode({"image": body.Image,
-                                                                               "overrides": overrides}))
+    rec = find_tag(request, body.Image) or find_id(request, body.Image)  # the key's own names first
+    if rec is None:
+        from ..registry import is_image_ref
+
+        if not is_image_ref(body.Image):  # not the key's, and no registry REF: as dockerd, no such image
+            raise HttpError(404, "not_found", f"No such image: {body.Image[:500]}")
+    source = rec.origin if rec is not None else {"image": body.Image}
+    if rec is not None and rec.local:  # a commit or a build: its config is the record's, the env's too
+        img_config = dict(rec.config.get("config") or {})
+        env = dict(e.split("=", 1) for e in img_config.get("Env") or [] if "=" in e)
+        overrides = {**overrides, "env": {**env, **overrides.get("env", {})}}
+        for field_name, given in (("workdir", "WorkingDir"), ("user", "User")):
+            if img_config.get(given) and field_name not in overrides:
+                overrides[field_name] = img_config[given]
+    req, _public, plan = _tenant.create_body(state, key, msgspec.json.encode({**source, "overrides": overrides}))
     admission = await _tenant.admit_create(state, key, req, plan)
     try:  # the image's config is read (after the tenant's checks) while the env starts: both ask the registry
-        info, read = await _start_env(state, req, body.Image)
+        if rec is not None and rec.local:
+            async with daemon_errors():
+                info = msgspec.to_builtins(await state.backend.create(req))
+            read: tuple[str, Any, int] = (rec.id, rec.config, rec.size_bytes)
+        else:
+            info, read = await _start_env(state, req, source["image"])
         image_id, img = read[0], dict(read[1].get("config") or {})
         argv = _command(body, img)
         if not argv:
@@ -208,12 +267,19 @@ async def create(request: Request, params: dict[str, str]) -> Response:
         config["StopTimeout"] = body.StopTimeout
     hc = body.HostConfig or HostConfigBody()
     host_config = {"NetworkMode": hc.NetworkMode or "default", "Memory": hc.Memory, "NanoCpus": hc.NanoCpus,
-                   "CpuQuota": hc.CpuQuota, "CpuPeriod": hc.CpuPeriod, "AutoRemove": hc.AutoRemove, "Binds": None,
+                   "CpuQuota": hc.CpuQuota, "CpuPeriod": hc.CpuPeriod, "AutoRemove": hc.AutoRemove,
+                   "Binds": list(hc.Binds) if hc.Binds else None,
                    "Privileged": False, "RestartPolicy": {"Name": "no", "MaximumRetryCount": 0},
                    "LogConfig": {"Type": "json-file", "Config": {}}}  # what docker-py's run() reads logs from
-    remember(ds, key, body.Image, *read)
+    if rec is None or not rec.local:
+        as_named = body.Image if rec is None or body.Image in rec.refs or normalized(body.Image) in rec.refs else None
+        remember(ds, key, as_named, *read, origin=source)
+    else:
+        rec.used_s = time.time()
+    if hc.Mounts:
+        host_config["Mounts"] = list(hc.Mounts)
     ds.containers[cid] = Container(cid, name, info["id"], key.owner_fields(), body.Image, image_id, argv, config,
-                                   host_config)
+                                   host_config, binds=list(overrides.get("mounts", [])))
     emit(state, ds.containers[cid], "create")
     log.info("docker: container %s (%s) is env %s", cid[:12], name, info["id"])
     return _json({"Id": cid, "Warnings": []}, 201)

@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ._common import HttpError, daemon_errors, key_of, log, state_of
 from ._docker import not_supported
-from ._docker_containers import DockerState, _filters_doc, _json, docker_state, docker_time
+from ._docker_containers import DockerState, _filters_doc, _flag, _json, docker_state, docker_time
 from ._store import ApiKey, may_use
 
 PULL_CPU_CORES = 0.1
@@ -43,16 +43,27 @@ class ImageRecord:
     size_bytes: int  # the layers' compressed bytes, as the manifest gives them
     refs: list[str] = field(default_factory=list)
     used_s: float = field(default_factory=time.time)
+    origin: dict[str, Any] = field(default_factory=dict)
+    """What an env of it starts from: ``{"image": REF}`` (a registry image), ``{"snapshot": ID}``
+    (a commit, weenv/api/_docker_commit.py) or ``{"plan": LOCK}`` (a build, _docker_build.py)."""
+
+    @property
+    def local(self) -> bool:
+        """Made on this node (a commit or a build), not read from a registry."""
+        return "image" not in self.origin
 
 
-def remember(ds: DockerState, key: ApiKey, ref: str, image_id: str, config: dict[str, Any], size: int) -> ImageRecord:
-    """``ref`` as an image the key has used (its record made or found; the REF added to its tags)."""
+def remember(ds: DockerState, key: ApiKey, ref: str | None, image_id: str, config: dict[str, Any], size: int,
+             origin: dict[str, Any] | None = None) -> ImageRecord:
+    """``ref`` as an image the key has used (its record made or found; the REF added to its tags,
+    taken off any other image of the key's: a tag names one image). ``origin``: what its envs start
+    from (default: ``ref`` itself, a registry image); ``ref`` None: an image without a tag."""
     owner = key.owner_fields()
     rec = next((r for r in ds.images if r.id == image_id and r.owner == owner), None)
     if rec is None:
-        rec = ImageRecord(image_id, owner, config, size)
+        rec = ImageRecord(image_id, owner, config, size, origin=dict(origin or {"image": ref}))
         ds.images.append(rec)
-    if ref not in rec.refs:
+    if ref is not None and ref not in rec.refs:
         for other in ds.images:  # a tag names one image: the newest it was read as
             if other.owner == owner and ref in other.refs:
                 other.refs.remove(ref)
@@ -66,17 +77,44 @@ def images_of(request: Request) -> list[ImageRecord]:
     return [r for r in docker_state(state_of(request)).images if may_use(key, r.owner)]
 
 
-def _find_recorded(request: Request, name: str) -> ImageRecord | None:
-    mine = images_of(request)
+def own_images(request: Request) -> list[ImageRecord]:
+    """The key's own records: names (tags) resolve among these only, so one key's tag never
+    changes what a name means to another key (an admin key included)."""
+    owner = key_of(request).owner_fields()
+    return [r for r in docker_state(state_of(request)).images if r.owner == owner]
+
+
+def normalized(name: str) -> str:
+    """A name as Docker stores its tag: ``repo`` means ``repo:latest``."""
+    last = name.rsplit("/", 1)[-1]
+    return name if ":" in last or "@" in last else f"{name}:latest"
+
+
+def find_tag(request: Request, name: str) -> ImageRecord | None:
+    """The key's own image that tag ``name`` names (``repo`` is ``repo:latest``)."""
+    for want in dict.fromkeys((name, normalized(name))):
+        for r in own_images(request):
+            if want in r.refs:
+                return r
+    return None
+
+
+def find_id(request: Request, name: str) -> ImageRecord | None:
+    """The image an id or unique id prefix (``sha256:`` or not) names, among those the key may use."""
+    mine = sorted(images_of(request), key=lambda r: r.owner != key_of(request).owner_fields())
     for r in mine:
-        if name in r.refs or r.id == name:
+        if r.id == name:
             return r
     hex_part = name[len("sha256:"):] if name.startswith("sha256:") else name
     if re.fullmatch(r"[0-9a-f]{1,64}", hex_part):
-        hits = {r.id: r for r in mine if r.id[len("sha256:"):].startswith(hex_part)}
+        hits = {r.id: r for r in reversed(mine) if r.id[len("sha256:"):].startswith(hex_part)}
         if len(hits) == 1:
             return next(iter(hits.values()))
     return None
+
+
+def _find_recorded(request: Request, name: str) -> ImageRecord | None:
+    return find_tag(request, name) or find_id(request, name)
 
 
 async def resolve(request: Request, name: str) -> ImageRecord:
@@ -89,14 +127,16 @@ async def resolve(request: Request, name: str) -> ImageRecord:
     if rec is not None:
         return rec
     state, key = state_of(request), key_of(request)
-    if re.fullmatch(r"(sha256:)?[0-9a-f]{12,64}", name):
-        raise HttpError(404, "not_found", f"No such image: {name}")
+    from ..registry import is_image_ref
+
+    if re.fullmatch(r"(sha256:)?[0-9a-f]{12,64}", name) or not is_image_ref(name):
+        raise HttpError(404, "not_found", f"No such image: {name}")  # not recorded, and no registry REF
     check_image(state, key, name)
     try:
         got = await anyio.to_thread.run_sync(read_image, name)
     except Exception as e:  # not there, not an image, a registry that does not answer
         raise HttpError(404, "not_found", f"No such image: {name} ({type(e).__name__}: {e})"[:500]) from None
-    return ImageRecord(got[0], key.owner_fields(), got[1], got[2], [name])
+    return ImageRecord(got[0], key.owner_fields(), got[1], got[2], [name], origin={"image": name})
 
 
 def _created(rec: ImageRecord) -> str:
@@ -122,7 +162,7 @@ def inspect_doc(rec: ImageRecord) -> dict[str, Any]:
     if img.get("StopSignal"):
         config["StopSignal"] = img["StopSignal"]
     rootfs = rec.config.get("rootfs") or {}
-    return {"Id": rec.id, "RepoTags": list(rec.refs), "RepoDigests": [], "Parent": "",
+    return {"Id": rec.id, "RepoTags": list(rec.refs), "RepoDigests": [], "Parent": rec.config.get("parent", ""),
             "Comment": rec.config.get("comment", ""), "Created": _created(rec), "DockerVersion": "",
             "Author": rec.config.get("author", ""), "Config": config,
             "Architecture": rec.config.get("architecture", ""), "Os": rec.config.get("os", ""),
@@ -153,8 +193,11 @@ def _passes(rec: ImageRecord, filters: dict[str, list[str]]) -> bool:
         k, eq, v = want.partition("=")
         if k not in labels or (eq and labels[k] != v):
             return False
-    if "dangling" in filters and "true" in filters["dangling"]:
-        return False  # a recorded image always has a REF
+    for want in filters.get("dangling", []):
+        if want.lower() not in ("true", "false", "1", "0"):
+            raise HttpError(400, "bad_request", f"invalid filter 'dangling={want[:50]}'")
+        if (want.lower() in ("true", "1")) != (not rec.refs):  # dangling: no tag left (untagged, a bare build)
+            return False
     refs = filters.get("reference")
     return not refs or any(fnmatch.fnmatchcase(r, pat) or fnmatch.fnmatchcase(r.rsplit(":", 1)[0], pat)
                            for r in rec.refs for pat in refs)
@@ -230,8 +273,137 @@ async def pull(request: Request, params: dict[str, str]) -> Response:
     return StreamingResponse(body(), 200, media_type="application/json")
 
 
+# -- tag and remove ---------------------------------------------------------------------------------
+
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?)"
+_PATH = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
+_HOST_ONLY = re.compile(rf"^{_HOST}$")
+
+
+def _valid_repo(repo: str) -> bool:
+    """Docker's rule (distribution/reference ``ParseNormalizedNamed``): the first component is a
+    registry host when it holds a '.' or a ':' or is ``localhost``; the path is lowercase."""
+    first, sep, rest = repo.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        return bool(_HOST_ONLY.match(first)) and bool(_PATH.match(rest))
+    return bool(_PATH.match(repo))
+_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
+
+
+def tag_ref(repo: str, tag: str, where: str = "repo") -> str:
+    """``repo:tag`` after Docker's reference grammar (distribution/reference): 400 naming what is
+    wrong, as dockerd's ``invalid reference format`` / ``invalid tag format``."""
+    if not repo:
+        raise HttpError(400, "bad_request", f"{where}: a repository name is required")
+    last = repo.rsplit("/", 1)[-1]
+    if ":" in last and not tag:  # ``repo:tag`` in one (``t=`` of a build)
+        repo, tag = repo.rsplit(":", 1)
+    if "@" in repo:
+        raise HttpError(400, "bad_request", f"{where} {repo[:200]!r}: refusing to create a tag with a digest "
+                        "reference")
+    if not _valid_repo(repo) or len(repo) > 255:
+        lower = ": repository name must be lowercase" if _valid_repo(repo.lower()) else ""
+        raise HttpError(400, "bad_request", f"invalid reference format{lower} ({where} {repo[:200]!r})")
+    tag = tag or "latest"
+    if not _TAG.match(tag):
+        raise HttpError(400, "bad_request", f"invalid tag format ({tag[:200]!r}: letters, digits, '_', '.', '-'; "
+                        "at most 128, not starting with '.' or '-')")
+    return f"{repo}:{tag}"
+
+
+async def tag(request: Request, params: dict[str, str]) -> Response:
+    """``image.tag(repo, tag)``: one more name for an image, the key's own (docs/docker.md)."""
+    new = tag_ref(request.query_params.get("repo", ""), request.query_params.get("tag", ""))
+    rec = await resolve(request, params["name"])
+    remember(docker_state(state_of(request)), key_of(request), new, rec.id, rec.config, rec.size_bytes,
+             origin=rec.origin)
+    return Response(b"", 201)
+
+
+def _short(image_id: str) -> str:
+    return image_id.removeprefix("sha256:")[:12]
+
+
+def _delete_conflict(rec: ImageRecord, users: list[Any], force: bool) -> str | None:
+    """dockerd's ``checkImageDeleteConflict``: a running container is a hard conflict, a stopped
+    one a soft one (``force`` overrides soft ones only)."""
+    running = next((c for c in users if c.running), None)
+    if running is not None:
+        return (f"conflict: unable to delete {_short(rec.id)} (cannot be forced) - image is being used by running "
+                f"container {running.id[:12]}")
+    stopped = next((c for c in users if not c.running), None)
+    if stopped is not None and not force:
+        return (f"conflict: unable to delete {_short(rec.id)} (must be forced) - image is being used by stopped "
+                f"container {stopped.id[:12]}")
+    return None
+
+
+async def _forget(request: Request, rec: ImageRecord) -> None:
+    """The record gone; a commit's snapshot deleted on its daemon when no record names it any more
+    (a registry image's converted layers stay in the store: they are a cache every image shares)."""
+    state = state_of(request)
+    ds = docker_state(state)
+    ds.images.remove(rec)
+    snap = rec.origin.get("snapshot")
+    if not isinstance(snap, str) or any(r.origin.get("snapshot") == snap for r in ds.images):
+        return
+    try:
+        async with daemon_errors():
+            await (await state.backend.for_snapshot(snap)).delete_snapshot(snap)
+        state.owners.forget_snapshot(snap)
+    except HttpError as e:  # an env of it still runs (a removed container's image): its daemon keeps it
+        log.warning("docker: image %s: deleting its snapshot %s: %s", rec.id[:19], snap, e.message)
+
+
+async def remove_image(request: Request, params: dict[str, str]) -> Response:
+    """``images.remove(name, force=, noprune=)``, dockerd's ``ImageDelete``: a tag is untagged, and
+    the image deleted when no tag is left and no container of the key's uses it (409 otherwise,
+    unless ``force``; a running container's image is never deleted, only untagged)."""
+    name = params["name"]
+    force = _flag(request, "force")
+    _flag(request, "noprune")  # checked; an image here has no parents to keep or prune
+    ds = docker_state(state_of(request))
+    by_tag = find_tag(request, name)
+    rec = by_tag or find_id(request, name)
+    if rec is None:
+        raise HttpError(404, "not_found", f"No such image: {name}")
+    users = [c for c in ds.containers.values() if c.owner == rec.owner and c.image_id == rec.id]
+    out: list[dict[str, str]] = []
+    quiet = False
+    if by_tag is not None:
+        ref = name if name in rec.refs else normalized(name)
+        if users and len(rec.refs) == 1 and not force:
+            raise HttpError(409, "conflict", f'conflict: unable to remove repository reference "{name}" (must force) '
+                            f"- container {users[0].id[:12]} is using its referenced image {_short(rec.id)}")
+        rec.refs.remove(ref)
+        out.append({"Untagged": ref})
+        if rec.refs:
+            return _json(out)
+        quiet = True  # dockerd: a conflict now leaves the image untagged, not an error
+    elif len(rec.refs) > 1 and not force:
+        raise HttpError(409, "conflict", f"conflict: unable to delete {_short(rec.id)} (must be forced) - image is "
+                        "referenced in multiple repositories")
+    else:
+        problem = _delete_conflict(rec, users, force)
+        if problem is not None:
+            raise HttpError(409, "conflict", problem)
+        out += [{"Untagged": r} for r in rec.refs]
+        rec.refs.clear()
+    problem = _delete_conflict(rec, users, force)
+    if problem is not None:
+        if quiet:
+            return _json(out)
+        raise HttpError(409, "conflict", problem)
+    await _forget(request, rec)
+    out.append({"Deleted": rec.id})
+    return _json(out)
+
+
 ROUTES = [
     ("GET", "images/json", list_images),
+    ("POST", "images/{name*}/tag", tag),
+    ("DELETE", "images/{name*}", remove_image),
     ("POST", "images/create", pull),
     ("GET", "images/{name*}/json", inspect),
     ("GET", "images/{name*}/history", history),

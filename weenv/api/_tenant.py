@@ -139,8 +139,8 @@ def _refuse_node_access(req: dict[str, Any]) -> None:
     net = doc.get("network")
     if overrides.get("network") == "host" or (net.get("mode") if isinstance(net, dict) else net) == "host":
         raise HttpError(403, "forbidden", "network \"host\" (the node's own network) needs an admin key")
-    if doc.get("mounts"):
-        raise HttpError(403, "forbidden", "host bind mounts ($.mounts) need an admin key")
+    if doc.get("mounts") or overrides.get("mounts"):
+        raise HttpError(403, "forbidden", "host bind mounts ($.mounts, $.overrides.mounts) need an admin key")
 
 
 def check_tenant_create(state: ApiState, key: ApiKey, req: dict[str, Any], plan: Any) -> None:

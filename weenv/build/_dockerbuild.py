@@ -114,6 +114,11 @@ class _Builder:
         self.force = False
         self.deadline: float | None = None
         self.on_output: Callable[[str, bytes], Any] | None = None
+        # for builds on an API key's behalf (weenv/api/_docker_build.py): every ref a FROM or a
+        # COPY --from names (not an earlier stage) is checked before it is read (and may be
+        # replaced: the key's own image names); each instruction is announced before it runs
+        self.check_ref: Callable[[str, str], str | None] | None = None
+        self.on_instruction: Callable[[Stage, Instruction | None], Any] | None = None
 
     # ------------------------------------------------------------------ FROM
 
@@ -126,6 +131,8 @@ class _Builder:
         named = [s for s in self.df.stages[:before] if s.name == ref.lower() or str(s.index) == ref]
         if named:
             return copy.deepcopy(self.done[named[-1].index])
+        if self.check_ref is not None:
+            ref = self.check_ref(ref, where) or ref
         if ref.startswith("snap-"):
             snap = self.c.snapshot(ref)
             lock = msgspec.convert(snap.lock, Lock)
@@ -155,9 +162,13 @@ class _Builder:
 
     def run_stage(self, stage: Stage) -> StageState:
         base = substitute(stage.base, self.global_args, {})
+        if self.on_instruction is not None:
+            self.on_instruction(stage, None)
         st = self.from_ref(base, f"{self.df.path}:{stage.line}: FROM", stage.index)
         st.args = {}
         for ins in stage.instructions:
+            if self.on_instruction is not None:
+                self.on_instruction(stage, ins)
             self.instruction(st, stage, ins)
         self.done[stage.index] = st
         return st
@@ -509,8 +520,19 @@ def build_dockerfile(dockerfile: str, context: str, *, output: str | None = None
                      build_args: dict[str, str] | None = None, target: str | None = None,
                      network: str | None = None, store: str | None = None, squash: bool = False,
                      group: str = "build", group_class: str = "task", client: Client | None = None,
-                     log: Callable[[str], Any] | None = None) -> DockerBuildResult:
-    """Build ``dockerfile`` over ``context``; writes and returns the lock (see the module docstring)."""
+                     log: Callable[[str], Any] | None = None, check_ref: Callable[[str, str], str | None] | None = None,
+                     on_instruction: Callable[[Stage, Instruction | None], Any] | None = None,
+                     on_output: Callable[[str, bytes], Any] | None = None,
+                     deadline: float | None = None, no_cache: bool = False,
+                     cache_root: str | None = None) -> DockerBuildResult:
+    """Build ``dockerfile`` over ``context``; writes and returns the lock (see the module docstring).
+
+    For a build on someone else's behalf (the Docker API's ``/build``): ``check_ref(ref, where)``
+    raises for a base it may not name (or gives the ref to read instead), ``on_instruction(stage, ins)`` hears of each step before it
+    runs (``ins`` None: the stage's FROM), ``on_output(stream, data)`` gets RUN's output as it
+    comes, ``deadline`` (``time.monotonic()``) bounds the build; ``no_cache``: every step
+    built again; ``cache_root``: the step cache's directory (one per key: no key reuses a step
+    another built)."""
     from ..plan import Lock, PlanError, apply_image_defaults, plan_from_builtins, plan_to_builtins, write_plan
     from ..registry._convert import plan_name_for, store_base
 
@@ -533,7 +555,9 @@ def build_dockerfile(dockerfile: str, context: str, *, output: str | None = None
     c = client or Client()
     try:
         b = _Builder(c, df, context, build_args=dict(build_args or {}), network=network, store=store_base(store),
-                     say=log or (lambda m: None), cache=StepCache())
+                     say=log or (lambda m: None), cache=StepCache(cache_root))
+        b.check_ref, b.on_instruction, b.on_output, b.deadline = check_ref, on_instruction, on_output, deadline
+        b.force = no_cache
         st: StageState | None = None
         for stage in stages:
             st = b.run_stage(stage)

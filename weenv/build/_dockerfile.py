@@ -174,6 +174,8 @@ def key_values(ins: Instruction, args: dict[str, str], envs: dict[str, str], pat
     """``ENV`` / ``LABEL`` / ``ARG`` pairs (``K=V ...``, or the old ``ENV K V`` form), substituted."""
     from dockerfile_parse.util import extract_key_values
 
+    if not ins.value.strip():  # dockerfile-parse fails on it with an IndexError
+        raise DockerfileError(f"{ins.where(path)}: expected NAME=VALUE")
     try:
         pairs = extract_key_values(env_replace=ins.op != "ARG", args=dict(args), envs=dict(envs),
                                    instruction_value=ins.value)

@@ -30,12 +30,14 @@ def apply_overrides(
     user: str | None = None,
     network: str | None = None,
     volumes: Sequence[Mapping[str, Any]] | None = None,
+    mounts: Sequence[Mapping[str, Any]] | None = None,
 ) -> P:
     """A copy of ``plan`` (a :class:`Lock` stays a lock) with the given values replaced.
 
     ``cpu``: ``0.5`` or ``"0.5"`` sets min and max to 0.5 cores; ``"0.25-2"`` or ``(0.25, 2)`` a
     range. ``memory``: ``"1GiB"`` or bytes sets both; ``"512MiB-2GiB"`` a range. ``env`` is merged
-    over the plan's (its keys win); ``volumes`` (``[[volumes]]`` tables) are mounted beside the plan's. ``None`` leaves a value as it is. The result is validated like
+    over the plan's (its keys win); ``volumes`` (``[[volumes]]`` tables) are mounted beside the plan's, and ``mounts``
+    (``[[mounts]]``: read-only host binds) likewise. ``None`` leaves a value as it is. The result is validated like
     a file; errors name the override (``cpu: …``) and come from source ``overrides``.
     """
     data = plan_to_builtins(plan)
@@ -62,6 +64,8 @@ def apply_overrides(
         data["env"] = {**data.get("env", {}), **dict(env)}
     if volumes:
         data["volumes"] = [*data.get("volumes", []), *(dict(v) for v in volumes)]
+    if mounts:
+        data["mounts"] = [*data.get("mounts", []), *(dict(m) for m in mounts)]
     return decode_builtins(data, type(plan), source=OVERRIDES_SOURCE, fmt="json")
 
 
