@@ -187,7 +187,7 @@ def test_exec_and_container_resize_as_dockerd_answers(alice, dk: DockerServed, r
         assert (got["no_h"], got["bad_h"], got["unknown"]) == (400, 400, 404)
         assert got["notty"] == 200 and got["ct_notty"] == 200
         assert got["ct_bad"] == 400 and got["ct_created"] == 409
-    assert theirs["exited"] == 500 and mine["exited"] == 409  # dockerd's is containerd's "unknown"; weenv says conflict
+    assert theirs["exited"] in (404, 500) and mine["exited"] == 409  # dockerd: containerd's unknown or not found
 
 
 def _attaches(client, image: str) -> dict:  # type: ignore[no-untyped-def]
@@ -264,8 +264,8 @@ def _attaches(client, image: str) -> dict:  # type: ignore[no-untyped-def]
 
 def test_attach_as_dockerd_answers(alice, dk: DockerServed, real) -> None:  # type: ignore[no-untyped-def]
     mine, theirs = _attaches(_all_calls_keyed(alice, dk), dk.image), _attaches(real, dk.image)
-    for got in (mine, theirs):
-        assert got["stream"] == (b"one\nthree\n", b"two\nfour\n")
+    for who, got in (("weenv", mine), ("dockerd", theirs)):
+        assert got["stream"] == (b"one\nthree\n", b"two\nfour\n"), (who, dk.served.log()[-3000:])
         assert got["once_config"] == {"AttachStdin": True, "OpenStdin": True, "StdinOnce": True}
         assert got["once"] == {1: b"in1\ndone\n"} and got["once_exit"] == 0
         assert got["keep"] == ("running", b"k1\nk2\n")

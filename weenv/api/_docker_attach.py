@@ -26,7 +26,11 @@ from ._common import ApiState, HttpError, daemon_errors, state_of
 from ._docker import STDERR, STDOUT, frame
 from ._docker_containers import Container, _env, _flag, emit, find
 from ._docker_exec import _upgrade_offered, tty_size
-from ._hijack import HijackedResponse
+from ._hijack import FIRST_OUTPUT_AFTER_S, HijackedResponse
+
+LOGS_AFTER_S = 0.05
+"""An attach's log comes at once after the 101, which a loaded client may still be reading: a
+longer wait than an exec's first output (weenv/api/_hijack.py) before it."""
 
 
 def _refuse_paused(c: Container, what: str) -> None:
@@ -82,7 +86,8 @@ async def attach(request: Request, params: dict[str, str]) -> Response:
     closes_stdin = bool(c.config.get("StdinOnce")) and not tty
     if _upgrade_offered(request):
         return HijackedResponse(output(), on_input=to_stdin if feeds else None, input_end_stops=not closes_stdin,
-                                status_code=101, media_type=media, headers={"Connection": "Upgrade", "Upgrade": "tcp"})
+                                status_code=101, media_type=media, headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+                                first_output_after_s=LOGS_AFTER_S if logs else FIRST_OUTPUT_AFTER_S)
     return HijackedResponse(output(), status_code=200, media_type=media)
 
 

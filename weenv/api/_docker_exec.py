@@ -17,7 +17,6 @@ sets the size of a TTY command's pty (the handle's ``resize``, as E2B's ``Update
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,10 +37,6 @@ MAX_BODY_BYTES = 1 << 20
 EXEC_READY_TIMEOUT_S = 10.0
 """How long ``resize`` waits for an exec being started to have its process (dockerd's 10 s)."""
 MAX_TTY_SIDE = 65535
-FIRST_OUTPUT_AFTER_S = 0.005
-"""The least time between the 101's headers and the first output: docker-py reads the headers
-through a buffered reader and the output from the socket under it, so output in the same read as
-the headers would be lost to it."""
 
 
 @dataclass
@@ -176,7 +171,6 @@ async def exec_start(request: Request, params: dict[str, str]) -> Response:
     spawned: list[Any] = []
 
     async def output() -> AsyncIterator[bytes]:
-        sent_at = time.monotonic()
         try:
             proc = await _spawn(request, x, stdin=x.stdin)
         except HttpError as e:
@@ -184,7 +178,7 @@ async def exec_start(request: Request, params: dict[str, str]) -> Response:
             yield (e.message + "\n").encode() if tty else frame(STDERR, (e.message + "\n").encode())
             return
         spawned.append(proc)
-        first, ended = True, False
+        ended = False
         try:
             if x.stdin and not upgraded:
                 await proc.close_stdin()  # no hijacked connection: nothing to read its stdin from
@@ -194,9 +188,6 @@ async def exec_start(request: Request, params: dict[str, str]) -> Response:
                 stream = STDERR if ev.stream == "stderr" else STDOUT
                 if not (x.stderr if stream == STDERR else x.stdout):
                     continue
-                if first:
-                    first = False
-                    await anyio.sleep(max(0.0, FIRST_OUTPUT_AFTER_S - (time.monotonic() - sent_at)))
                 yield ev.data_b64 if tty else frame(stream, ev.data_b64)
             ended = True
             _finish(x, proc.end.exit_code if proc.end is not None else 255)

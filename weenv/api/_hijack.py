@@ -26,6 +26,7 @@ queue never stalls the server's reading of it).
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -41,6 +42,10 @@ from ._common import log
 
 __all__ = ["HijackH11Protocol", "HijackedResponse", "allow_hijack"]
 
+FIRST_OUTPUT_AFTER_S = 0.005
+"""The least time between a 101's headers and the first output: docker-py reads the headers
+through a buffered reader and the output from the socket under it, so output in the same read as
+the headers would be lost to it."""
 DISCONNECT_WAIT_S = 30.0
 """After the output's end, how long the app keeps reading for the server's disconnect (it comes at
 once: the end of the output closes the connection) before it stops waiting."""
@@ -148,10 +153,11 @@ class HijackedResponse(Response):
 
     def __init__(self, output: AsyncIterator[bytes], *, on_input: InputCallback | None = None,
                  input_end_stops: bool = False, status_code: int = 101, media_type: str,
-                 headers: Mapping[str, str] | None = None):
+                 headers: Mapping[str, str] | None = None, first_output_after_s: float = FIRST_OUTPUT_AFTER_S):
         self.status_code, self.media_type, self.background = status_code, media_type, None
         self.init_headers(dict(headers or {}))  # no body: no Content-Length (the 200's is chunked)
         self.output, self.on_input, self.input_end_stops = output, on_input, input_end_stops
+        self.first_output_after_s = first_output_after_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone, stop = anyio.Event(), anyio.Event()  # the server's disconnect; the output is to stop
@@ -186,11 +192,15 @@ class HijackedResponse(Response):
         async with anyio.create_task_group() as tg:
             tg.start_soon(read_input)
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            sent_at, first = time.monotonic(), self.status_code == 101
             with anyio.CancelScope() as out_scope:
                 tg.start_soon(_cancel_when, stop, out_scope)
                 try:
                     async for chunk in self.output:
                         if chunk:
+                            if first:
+                                first = False
+                                await anyio.sleep(max(0.0, self.first_output_after_s - (time.monotonic() - sent_at)))
                             await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 finally:
                     aclose = getattr(self.output, "aclose", None)
