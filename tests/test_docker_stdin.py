@@ -265,7 +265,10 @@ def _attaches(client, image: str) -> dict:  # type: ignore[no-untyped-def]
 def test_attach_as_dockerd_answers(alice, dk: DockerServed, real) -> None:  # type: ignore[no-untyped-def]
     mine, theirs = _attaches(_all_calls_keyed(alice, dk), dk.image), _attaches(real, dk.image)
     for who, got in (("weenv", mine), ("dockerd", theirs)):
-        assert got["stream"] == (b"one\nthree\n", b"two\nfour\n"), (who, dk.served.log()[-3000:])
+        # dockerd writes the log right after its 101: docker-py's buffered reader of the headers may
+        # swallow it (seen in one run of three); weenv waits for the client before it (LOGS_AFTER_S)
+        logged = (b"one\n", b"two\n") if who == "weenv" or got["stream"][0].startswith(b"one") else (b"", b"")
+        assert got["stream"] == (logged[0] + b"three\n", logged[1] + b"four\n"), who
         assert got["once_config"] == {"AttachStdin": True, "OpenStdin": True, "StdinOnce": True}
         assert got["once"] == {1: b"in1\ndone\n"} and got["once_exit"] == 0
         assert got["keep"] == ("running", b"k1\nk2\n")
