@@ -194,7 +194,9 @@ def _attaches(client, image: str) -> dict:  # type: ignore[no-untyped-def]
     api = client.api
     out: dict = {}
     try:
-        ct = client.containers.run(image, ["sh", "-c", "echo one; echo two >&2; read x; echo three; echo four >&2"],
+        # the live part comes a while after the attach (a write and half-close at once on a second
+        # attach can still lose its input on weenv: docs/docker.md, "Known gaps"; "keep" below writes stdin)
+        ct = client.containers.run(image, ["sh", "-c", "echo one; echo two >&2; sleep 3; echo three; echo four >&2"],
                                    detach=True, stdin_open=True, labels=LABEL, network_mode="none")
         _wait_for(lambda: b"two" in ct.logs())
         stream = ct.attach(stream=True, logs=True, demux=True)  # logs so far, then live until it ends
@@ -207,11 +209,6 @@ def _attaches(client, image: str) -> dict:  # type: ignore[no-untyped-def]
 
         reader = threading.Thread(target=drain)
         reader.start()
-        s = api.attach_socket(ct.id, params={"stdin": 1, "stream": 1})._sock  # StdinOnce is False (detach=True)
-        s.sendall(b"go\n")
-        s.shutdown(socket.SHUT_WR)  # ends this attach; the command's stdin stays open
-        _read_to_end(s)
-        s.close()
         reader.join(READ_TIMEOUT_S)
         out["stream"] = (got[0], got[1])
         out["after"] = ct.attach(logs=True)  # not streamed: the log, then the end
