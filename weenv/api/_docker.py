@@ -10,9 +10,10 @@ segments name the container or exec instance that is authorized and used. A Dock
 weenv does not serve answers 501 naming it; every error is Docker's shape ``{"message": ...}``.
 
 The routes live in weenv/api/_docker_create.py, _docker_containers.py and _docker_lifecycle.py
-(containers), _docker_images.py (list, inspect, pull, tag, remove), _docker_commit.py (commit,
-export), _docker_build.py (``/build``), _docker_events.py, weenv/api/_docker_archive.py
-(``put_archive`` / ``get_archive``) and weenv/api/_docker_exec.py (exec); this module has the
+(containers), _docker_attach.py (attach, resize), _docker_images.py (list, inspect, pull, tag,
+remove), _docker_commit.py (commit, export), _docker_build.py (``/build``), _docker_events.py,
+weenv/api/_docker_archive.py (``put_archive`` / ``get_archive``) and weenv/api/_docker_exec.py
+(exec; the hijacked connection both use is weenv/api/_hijack.py); this module has the
 system routes, the framing of Docker's multiplexed streams (:func:`frame`), the errors and the dispatch.
 """
 
@@ -192,6 +193,7 @@ async def info(request: Request, params: dict[str, str]) -> Response:
 
 def _routes() -> list[DockerRoute]:
     from . import _docker_archive as a
+    from . import _docker_attach as t
     from . import _docker_build as b
     from . import _docker_commit as cm
     from . import _docker_containers as c
@@ -203,7 +205,8 @@ def _routes() -> list[DockerRoute]:
 
     table: list[tuple[str, str, Handler]] = [
         ("GET", "_ping", ping), ("GET", "version", version), ("GET", "info", info),
-        *n.ROUTES, *c.ROUTES, *a.ROUTES, *x.ROUTES, *i.ROUTES, *life.ROUTES, *e.ROUTES, *cm.ROUTES, *b.ROUTES,
+        *n.ROUTES, *c.ROUTES, *t.ROUTES, *a.ROUTES, *x.ROUTES, *i.ROUTES, *life.ROUTES, *e.ROUTES, *cm.ROUTES,
+        *b.ROUTES,
     ]
     return [DockerRoute(m, tuple(p.split("/")), h) for m, p, h in table]
 

@@ -71,6 +71,7 @@ class Container:
     finished_s: float = 0.0
     logs: list[tuple[int, float, bytes]] = field(default_factory=list)
     log_bytes: int = 0
+    logs_dropped: int = 0  # records dropped from the front of ``logs``: a record's position is this + its index
     changed: anyio.Event = field(default_factory=anyio.Event)
     ended: anyio.Event = field(default_factory=anyio.Event)
     execs: list[str] = field(default_factory=list)
@@ -99,7 +100,18 @@ class Container:
             self.log_bytes += len(line)
         while self.log_bytes > MAX_LOG_BYTES and self.logs:
             self.log_bytes -= len(self.logs.pop(0)[2])
+            self.logs_dropped += 1
         self._wake()
+
+    @property
+    def log_end(self) -> int:
+        """The position after the last record (positions do not move when old records are dropped)."""
+        return self.logs_dropped + len(self.logs)
+
+    def records(self, start: int, end: int | None = None) -> list[tuple[int, float, bytes]]:
+        """The records at positions ``start`` up to ``end`` (those still kept)."""
+        lo = max(0, start - self.logs_dropped)
+        return self.logs[lo:None if end is None else max(lo, end - self.logs_dropped)]
 
     def finish(self, exit_code: int) -> None:
         self.status, self.exit_code, self.pid, self.finished_s = "exited", exit_code, 0, time.time()
@@ -185,9 +197,10 @@ async def start(request: Request, params: dict[str, str]) -> Response:
         await c.settled.wait()
     async with daemon_errors():
         proc = await _env(state, c).spawn(c.argv, pty=(24, 80) if c.tty else None, buffer_bytes=1 << 20,
-                                          tag=f"docker:{c.id[:12]}")
+                                          stdin=bool(c.config.get("OpenStdin")), tag=f"docker:{c.id[:12]}")
     c.status, c.pid, c.started_s, c.finished_s, c.exit_code = "running", proc.pid, time.time(), 0.0, 0
     c.ended, c.settled = anyio.Event(), anyio.Event()
+    c._wake()  # an attach waiting for the run
     emit(state, c, "start")
     state.tasks.start_soon(_collect, state, c, proc)
     return Response(b"", 204)

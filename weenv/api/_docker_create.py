@@ -49,6 +49,8 @@ class CreateBody(msgspec.Struct):
     Labels: dict[str, str] | None = None
     Tty: bool = False
     OpenStdin: bool = False
+    AttachStdin: bool = False
+    StdinOnce: bool = False
     StopSignal: str | None = None
     StopTimeout: int | None = None
     HostConfig: HostConfigBody | None = None
@@ -257,8 +259,8 @@ async def create(request: Request, params: dict[str, str]) -> Response:
     entrypoint, cmd = _entrypoint_and_cmd(body, img)
     env_list = [*(img.get("Env") or []), *(body.Env or [])]
     config = {"Hostname": cid[:12], "Domainname": "", "User": body.User or img.get("User", ""),
-              "AttachStdin": False, "AttachStdout": True, "AttachStderr": True, "Tty": body.Tty,
-              "OpenStdin": body.OpenStdin, "StdinOnce": False, "Env": env_list, "Cmd": cmd or None,
+              "AttachStdin": body.AttachStdin, "AttachStdout": True, "AttachStderr": True, "Tty": body.Tty,
+              "OpenStdin": body.OpenStdin, "StdinOnce": body.StdinOnce, "Env": env_list, "Cmd": cmd or None,
               "Image": body.Image, "Volumes": None, "WorkingDir": body.WorkingDir or img.get("WorkingDir", ""),
               "Entrypoint": entrypoint or None, "OnBuild": None, "Labels": {**(img.get("Labels") or {}),
                                                                              **(body.Labels or {})},
