@@ -258,7 +258,8 @@ class Snapshotter:
         used: set[str] = set()
         for other in self.records.list():
             used.update(layer.digest for layer in other.layers)
-            used.update([other.memory.digest] if other.memory is not None else [])
+            if other.memory is not None:
+                used.update(b.digest for b in other.memory.blobs())
         for env in self._envs.values():
             used.update(x["digest"] for x in env.snapshot_layers)
         store = self.layout()
@@ -281,14 +282,19 @@ class Snapshotter:
                     removed.append(layer.digest)
                 except FileNotFoundError:
                     pass
-        if rec.memory is not None and rec.memory.digest not in used:  # its checkpoint image: no tag holds one
+        if rec.memory is not None:  # its checkpoint image (no tag holds one), and its packs no other image reads
             if self.memory_images is not None:
-                self.memory_images.discard(rec.memory.digest)
-            try:
-                os.unlink(store.blob_path(rec.memory.digest))
-                removed.append(rec.memory.digest)
-            except FileNotFoundError:
-                pass
+                used |= self.memory_images.pinned()
+                if rec.memory.digest not in used:
+                    self.memory_images.discard(rec.memory.digest)
+            for blob in rec.memory.blobs():
+                if blob.digest in used:
+                    continue
+                try:
+                    os.unlink(store.blob_path(blob.digest))
+                    removed.append(blob.digest)
+                except FileNotFoundError:
+                    pass
         return removed
 
     # ------------------------------------------------------------------ gc

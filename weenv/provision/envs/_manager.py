@@ -114,7 +114,9 @@ class EnvManager:
                                         envs=self.envs, cgroups=self.cgroups, get=self.get, env_lock=self._lock,
                                         envlet=envlet, monitor=monitor, idmap=idmap, spawn=self._spawn,
                                         start=self.create_from_snapshot, kill=self.kill)
-        self._snapshotter.memory_images = images = MemoryImages(os.path.join(home, "memory-images"), self._snapshotter.layout)
+        self._snapshotter.memory_images = images = MemoryImages(
+            os.path.join(home, "memory-images"), self._snapshotter.layout,
+            known=lambda: [s.memory for s in self.snapshots.list() if s.memory is not None])
         self._memory = MemorySnapshotter(
             runtime=runtime, envs_dir=envs_dir, images=images, snapshotter=self._snapshotter, get=self.get,
             env_lock=self._lock, cgroups=self.cgroups, monitor=monitor, save=self._save,
@@ -472,9 +474,13 @@ class EnvManager:
         clean = {k: v for k, v in overrides.items() if v is not None}
         if clean:
             lock = apply_overrides(lock, **clean)
-        image = await trio.to_thread.run_sync(self._memory.images.ensure, snap.memory) if snap.memory else None
-        return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
-                                 start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image)
+        image = await trio.to_thread.run_sync(self._memory.images.checkout, snap.memory) if snap.memory else None
+        try:
+            return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
+                                     start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image)
+        finally:
+            if snap.memory is not None:  # restored (runsc read the whole image): the copy written for it goes
+                await trio.to_thread.run_sync(self._memory.images.release, snap.memory)
 
     async def fork(self, env_id: str, n: int, *, memory: bool = False) -> tuple[SnapshotRecord, list[EnvRecord]]:
         """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones).
