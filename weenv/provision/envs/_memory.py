@@ -92,7 +92,7 @@ class MemoryImages:
         self._known = known
         self._lock = threading.Lock()
         self._index: dict[bytes, SnapshotLayer] = {}  # chunk sha256 -> a pack holding it
-        self._indexed: dict[str, list[bytes]] = {}  # pack digest -> its chunks
+        self._indexed: dict[str, tuple[SnapshotLayer, list[bytes]]] = {}  # pack digest -> it, its chunks
         self._pins: collections.Counter[str] = collections.Counter()  # packs a seal uses, not recorded yet
         self._live: dict[str, list] = {}  # image digest -> [directory, users, ours to remove]
         self._making: dict[str, threading.Lock] = {}
@@ -109,15 +109,15 @@ class MemoryImages:
     def _index_packs(self) -> None:
         """The chunk index, for the packs of the images known now (under ``_lock``)."""
         store = self._layout()
-        live = {m.digest: m for m in self._known() if m.chunked}
-        for gone in set(self._indexed) - set(live) - set(self._pins):
-            for d in self._indexed.pop(gone):
-                if self._index.get(d) is not None and self._index[d].digest == gone:
-                    del self._index[d]
-        for digest, m in live.items():
+        live = {b.digest: b for m in self._known() if m.chunked for b in m.blobs()}  # a deleted image's pack
+        gone = set(self._indexed) - set(live) - set(self._pins)
+        if gone:  # its blob is deleted: the index again from the packs left
+            self._indexed = {k: v for k, v in self._indexed.items() if k not in gone}
+            self._index = {d: pack for pack, chunks in self._packs_of().items() for d in chunks}
+        for digest, m in live.items():  # (a pack kept for the images reading from it) is indexed too
             if digest in self._indexed or not os.path.exists(store.blob_path(digest)):
                 continue
-            pack = SnapshotLayer(digest=m.digest, size=m.size, toc_digest=m.toc_digest)
+            pack = m
             try:
                 with contextlib.closing(layerfmt.FileReader.open(store.blob_path(digest))) as reader:
                     layer = layerfmt.Layer.open(reader, expected_toc_digest=m.toc_digest)
@@ -126,9 +126,12 @@ class MemoryImages:
             except (OSError, ValueError, layerfmt.LayerError) as e:
                 log.warning("memory pack %s unreadable, not deduplicated against: %s", digest, e)
                 continue
-            self._indexed[digest] = chunks
+            self._indexed[digest] = (pack, chunks)
             for d in chunks:
                 self._index.setdefault(d, pack)
+
+    def _packs_of(self) -> dict[SnapshotLayer, list[bytes]]:
+        return dict(self._indexed.values())
 
     def seal(self, image_dir: str, facts: dict[str, str]) -> MemoryImage:
         """Seal ``image_dir`` into the store as a pack of its new chunks (see the class). The
@@ -203,7 +206,7 @@ class MemoryImages:
                             facts=facts, chunked=True, packs=sorted(shared.values(), key=lambda p: p.digest))
         with self._lock:
             own = SnapshotLayer(digest=res.digest, size=res.size, toc_digest=res.toc_digest)
-            self._indexed[res.digest] = list(new)
+            self._indexed[res.digest] = (own, list(new))
             for d in new:
                 self._index.setdefault(d, own)
             self._pins[res.digest] += 1
