@@ -249,3 +249,106 @@ def test_four_memory_commits_a_second_apart_store_at_most_1_5x_one_image(daemon,
             c.delete_snapshot(s)
         left = [m["digest"] for m in mems if os.path.exists(os.path.join(store, m["digest"].split(":")[1]))]
         assert left == [], left
+
+
+# ------------------------------------------------------------------ published, and restored on another daemon
+
+from tests.fixtures_registry import registry  # noqa: E402,F401
+
+
+@pytest.fixture
+def registry_gvisor_lock(registry, tmp_path):  # noqa: F811
+    """A gVisor plan lock whose busybox group is in the test registry: any daemon can start it."""
+    from weenv.plan import load_plan, lock_plan, write_plan
+    from weenv.registry import publish, resolve_group
+    from weenv.testing import busybox_tree
+    from weenv.testing._daemon import weenv_home
+
+    home = str(tmp_path / "publisher")
+    os.makedirs(home)
+    with weenv_home(home):
+        publish(str(busybox_tree(tmp_path / "src-busybox")), f"{registry.host}/memdedup/os:bb", group="os",
+                group_class="os")
+        plan = tmp_path / "bbr.toml"
+        plan.write_text(f'name = "bbr"\nruntime = "gvisor"\n\n[[groups]]\nname = "os"\nref = "{registry.host}/memdedup/'
+                        'os:bb"\nclass = "os"\n\n[resources]\npids = 256\ndisk = "64MiB"\n\n[resources.cpu]\nmin = 0.05'
+                        '\nmax = 1.0\n\n[resources.memory]\nmin = "64MiB"\nmax = "512MiB"\n')
+        lock = str(tmp_path / "bbr.lock.toml")
+        write_plan(lock_plan(load_plan(str(plan)), resolve_group), lock)
+    return lock
+
+
+@pytest.fixture
+def second_daemon(tmp_path):
+    """Another daemon on this host, with its own $WEENV_HOME (its own store, envlet and cgroups)."""
+    import tempfile
+
+    from weenv.testing import DaemonHandle, teardown_private_daemon
+
+    home = tempfile.mkdtemp(prefix="weenv-daemon-b-")
+    handle = DaemonHandle(home, os.path.join(home, "run", "weenv.sock"), f"weenv-test-b-{os.getpid()}", "", "",
+                          os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
+    handle.start()
+    try:
+        yield handle
+    finally:
+        left = teardown_private_daemon(handle)
+        assert not left, f"the second daemon left: {left}"
+
+
+def test_a_memory_snapshot_published_to_a_registry_restores_on_another_daemon(
+        daemon, second_daemon, registry, registry_gvisor_lock, gvisor_platform):  # noqa: F811
+    from weenv.registry import open_store, parse_ref
+
+    ref1, ref2 = f"{registry.host}/memdedup/snaps:one", f"{registry.host}/memdedup/snaps:two"
+    with daemon.client() as a, a.create(registry_gvisor_lock) as env:
+        assert env.exec(["sh", "-c", "head -c 8388608 /dev/urandom > /dev/shm/blob"]).exit_code == 0
+        pid = start_counter(env)
+        env.exec(["sh", "-c", "echo from-node-a > /root/f"])
+        s1 = env.commit(memory=True, ref=ref1)
+        at_commit = read_counter(env, pid)
+        s2 = env.commit(memory=True, ref=ref2)
+        m1, m2 = a.snapshot(s1).memory, a.snapshot(s2).memory
+        assert a.snapshot(s1).ref == ref1
+        assert m1["digest"] in {p["digest"] for p in m2["packs"]}  # the second image reads the first's chunks
+        with open_store(registry.host) as store:  # every pack is in the registry, each once
+            for m in (m1, m2):
+                for blob in [m, *m["packs"]]:
+                    assert store.has_blob(parse_ref(ref1).repo, blob["digest"]), blob
+
+    with second_daemon.client() as b:
+        pulled = b.pull_snapshot(ref2)
+        assert pulled.memory["digest"] == m2["digest"] and pulled.ref == ref2
+        store_b = os.path.join(second_daemon.home, "store", "blobs", "sha256")
+        assert all(os.path.exists(os.path.join(store_b, x["digest"].split(":")[1])) for x in [m2, *m2["packs"]])
+        copies = [b.create(pulled.id) for _ in range(2)]  # restored twice, from the registry's packs
+        try:
+            for child in copies:
+                assert pid in pids(child), child.id
+                assert read_counter(child, pid) >= at_commit  # the process continues with its count
+                assert child.exec(["cat", "/root/f"]).stdout == b"from-node-a\n"
+                assert child.exec(["sh", "-c", "wc -c < /dev/shm/blob"]).stdout.strip() == b"8388608"
+            assert copies[0].exec(["kill", "-9", str(pid)]).exit_code == 0  # independent copies
+            time.sleep(0.2)
+            assert pid not in pids(copies[0]) and pid in pids(copies[1])
+        finally:
+            for child in copies:
+                child.kill()
+        b.delete_snapshot(pulled.id)
+        with pytest.raises(Exception, match="not a published weenv snapshot"):
+            b.pull_snapshot(f"{registry.host}/memdedup/os:bb")
+
+
+def test_publishing_a_memory_snapshot_of_a_plan_in_the_embedded_store_is_refused_before_anything(
+        daemon, registry, tmp_path, gvisor_platform):  # noqa: F811
+    import weenv
+
+    lock = _gvisor_lock(daemon, tmp_path)  # its busybox group is in the daemon's embedded store
+    with daemon.client() as c, c.create(lock) as env:
+        pid = start_counter(env)
+        before = {s.id for s in c.snapshots()}
+        with pytest.raises(weenv.ApiError, match="embedded store; publish them to a registry first") as refused:
+            env.commit(memory=True, ref=f"{registry.host}/memdedup/snaps:refused")
+        assert refused.value.status == 409
+        assert {s.id for s in c.snapshots()} == before
+        assert read_counter(env, pid) >= 0  # never checkpointed

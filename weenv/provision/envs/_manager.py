@@ -49,7 +49,8 @@ from ._parking import Parking, check_park_after
 from ._fileops import file_op, resolve_user
 from ._pool import WarmPool
 from ._setup import EnvSetup
-from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, SnapshotTrees
+from ._published import pull_memory, read_published
+from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, SnapshotTrees, new_snapshot_id
 from ._startcheck import LockVerifier, check_start, env_limits, lock_for, tenant_problems
 from ._state import EnvRecord
 from ._trees import LayerTrees
@@ -481,6 +482,20 @@ class EnvManager:
         finally:
             if snap.memory is not None:  # restored (runsc read the whole image): the copy written for it goes
                 await trio.to_thread.run_sync(self._memory.images.release, snap.memory)
+
+    async def pull_snapshot(self, ref: str) -> SnapshotRecord:
+        """Record the snapshot published at ``ref`` (:mod:`._published`) as one of this node's:
+        envs from it start on its published lock, and restore its processes if it has memory
+        (its packs are downloaded into the embedded store first)."""
+        lock, memory = await trio.to_thread.run_sync(read_published, ref)
+        if memory is not None:
+            layout = self._snapshotter.layout()
+            pulled = await trio.to_thread.run_sync(pull_memory, ref, memory, layout)
+            log.info("snapshot %s: %d bytes of memory packs pulled", ref, pulled)
+        snap = SnapshotRecord(id=new_snapshot_id(), source_env=ref.rsplit(":", 1)[-1], lock=lock, memory=memory,
+                              ref=ref)
+        self.snapshots.save(snap)
+        return snap
 
     async def fork(self, env_id: str, n: int, *, memory: bool = False) -> tuple[SnapshotRecord, list[EnvRecord]]:
         """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones).

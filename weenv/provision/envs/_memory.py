@@ -13,8 +13,8 @@ processes into an image directory and restores them at a create; this module dec
   image at once (a parked env's image is used as it is, the env stays parked). The image is
   cut into content-defined chunks, deduplicated against the images already in the embedded
   store (:class:`MemoryImages`, :mod:`._memchunks`) and referenced from the snapshot record
-  (sealed while the source is restored: both only read it). Publishing it to a registry is not
-  done yet (a ``ref`` is refused).
+  (sealed while the source is restored: both only read it). With a ``ref`` it is published with
+  its packs (:mod:`._published`); another node pulls it and restores from it.
 - **fork with memory**: one commit with memory, then ``n`` envs restored from its image (the
   checkpoint's own directory: no copy is written), each with its own rootfs, cgroups and id
   (:meth:`~._commit.Snapshotter.fork`). An env from a memory snapshot made earlier restores
@@ -38,6 +38,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import msgspec
 import trio
 
 from ... import layerfmt
@@ -49,6 +50,7 @@ from ..runtime._criu import crun_memory_reason
 from ..runtime._seam import MemorySnapshots, Runtime
 from ...layerfmt._source import SpoolOpener
 from . import _memchunks, _state
+from ._published import SnapshotPublishError, publish_snapshot
 from ._commit import Snapshotter
 from ._snapshots import MemoryImage, SnapshotLayer, SnapshotRecord
 from ._state import EnvRecord
@@ -461,9 +463,11 @@ class MemorySnapshotter:
         """A snapshot of the env's files and memory at one instant (see the module's docstring).
         ``then(snapshot)`` is awaited as soon as it is recorded, while the source is restored
         (a fork's children start meanwhile)."""
-        if ref:
-            raise EnvStateError("publishing a memory snapshot to a registry (a ref) is not supported yet: commit "
-                                "with memory here, or without memory to publish", env_id=env_id)
+        if ref:  # refused before any checkpoint: no half-published snapshot
+            local = [g["name"] for g in self._get(env_id).lock.get("groups", []) if not g.get("registry")]
+            if local:
+                raise SnapshotPublishError(f"cannot publish a memory snapshot to {ref}: its plan's groups {local} live "
+                                           "in this node's embedded store; publish them to a registry first", env_id=env_id)
         t0 = time.perf_counter()
         tmp = self.images.temp_dir(env_id)
         made: list[SnapshotRecord] = []
@@ -506,7 +510,21 @@ class MemorySnapshotter:
                 self.images.release(memory)
             if os.path.lexists(tmp):
                 await trio.to_thread.run_sync(lambda: shutil.rmtree(tmp, ignore_errors=True))
+        if ref:
+            await self.publish(made[0], ref)
         return made[0]
+
+    async def publish(self, snap: SnapshotRecord, ref: str) -> None:
+        """Push the snapshot, its memory packs with it, to ``ref`` (:mod:`._published`): a node
+        that pulls it restores its processes."""
+        store = self._snapshotter.layout()
+        out = await trio.to_thread.run_sync(lambda: publish_snapshot(
+            snap.id, snap.lock, [msgspec.to_builtins(x) for x in snap.layers],
+            msgspec.to_builtins(snap.memory) if snap.memory is not None else None, ref, store=store,
+            source=f"weenv commit --memory {snap.source_env}"))
+        snap.ref = out["ref"]
+        self._snapshotter.records.save(snap)
+        log.info("snapshot %s published with its memory to %s", snap.id, ref)
 
     async def _restore_alongside(self, rec: EnvRecord, image_dir: str, frozen: bool,
                                  work: Callable[[], Awaitable[None]]) -> None:
