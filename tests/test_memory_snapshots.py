@@ -316,7 +316,7 @@ def test_bad_input_gets_a_clear_error(daemon, tmp_path, gvisor_platform):
             env.pause(memory="deep")  # type: ignore[arg-type]
         with pytest.raises(weenv.ApiError, match="not true, false or park"):
             c._run(weenv._calls.Call("env_pause", weenv._calls.env(env.id), query={"memory": "deep"}))
-        with pytest.raises(weenv.ApiError, match="not supported yet"):
+        with pytest.raises(weenv.ApiError, match="publish them to a registry first"):  # tests/test_memory_dedup.py
             c.commit(env.id, ref="localhost:1/x:y", memory=True)
         with pytest.raises(weenv.ApiError, match="not paused"):
             env.resume()
