@@ -468,20 +468,26 @@ class EnvManager:
             return await self._memory.commit(env_id, ref=ref)
         return await self._snapshotter.commit(env_id, ref=ref, build_key=build_key)
 
-    async def create_from_snapshot(self, snap_id: str, *, restricted: bool = False, **overrides: Any) -> EnvRecord:
-        """An env from a snapshot, with ``overrides`` applied to its lock (``restricted``: see :meth:`create`)."""
+    async def create_from_snapshot(self, snap_id: str, *, restricted: bool = False, restore_from: str | None = None,
+                                   **overrides: Any) -> EnvRecord:
+        """An env from a snapshot, with ``overrides`` applied to its lock (``restricted``: see
+        :meth:`create`; ``restore_from``: a fork's child, restored from its commit's checkpoint
+        directory while the image is sealed)."""
         snap = self.snapshots.get(snap_id)
+        if restore_from is None and snap_id in self._memory.sealing:
+            raise EnvStateError(f"snapshot {snap_id}: its memory image is being sealed (a fork's): try again")
         lock: Plan = msgspec.convert(snap.lock, Lock)
         clean = {k: v for k, v in overrides.items() if v is not None}
         if clean:
             lock = apply_overrides(lock, **clean)
-        image = await trio.to_thread.run_sync(self._memory.images.checkout, snap.memory) if snap.memory else None
+        held = snap.memory if restore_from is None else None
+        image = await trio.to_thread.run_sync(self._memory.images.checkout, held) if held else restore_from
         try:
             return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
                                      start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image)
         finally:
-            if snap.memory is not None:  # restored (runsc read the whole image): the copy written for it goes
-                await trio.to_thread.run_sync(self._memory.images.release, snap.memory)
+            if held is not None:  # restored (runsc read the whole image): the copy written for it goes
+                await trio.to_thread.run_sync(self._memory.images.release, held)
 
     async def pull_snapshot(self, ref: str) -> SnapshotRecord:
         """Record the snapshot published at ``ref`` (:mod:`._published`) as one of this node's:
