@@ -42,13 +42,13 @@ import msgspec
 import trio
 
 from ... import layerfmt
+from ...layerfmt._source import SpoolOpener
 from ...registry import LayoutStore
 from .._errors import ContainerError, EnvError, EnvStateError, MemorySnapshotUnavailableError
 from ..cgroups import Cgroup
 from ..elastic._monitor import Monitor
 from ..runtime._criu import crun_memory_reason
 from ..runtime._seam import MemorySnapshots, Runtime
-from ...layerfmt._source import SpoolOpener
 from . import _memchunks, _state
 from ._published import SnapshotPublishError, publish_snapshot
 from ._commit import Snapshotter
