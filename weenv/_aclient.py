@@ -370,6 +370,9 @@ class AsyncClient:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._run(calls.snapshot_delete(snapshot_id))
 
+    async def pull_snapshot(self, ref: str) -> wire.SnapshotDetail:
+        return await self._run(calls.snapshot_pull(ref))  # type: ignore[no-any-return]
+
     # -- volumes: node-local storage envs mount (a plan's [[volumes]], or create(..., volumes=[...]))
 
     async def create_volume(self, name: str | None = None, *, size_bytes: int | None = None) -> vw.VolumeInfo:

@@ -191,6 +191,10 @@ def snapshot_list() -> Call:
     return Call("snapshot_list", answer=list[wire.SnapshotInfo])
 
 
+def snapshot_pull(ref: str) -> Call:
+    return Call("snapshot_pull", json={"ref": ref}, answer=wire.SnapshotDetail)
+
+
 def snapshot_show(snapshot_id: str) -> Call:
     return Call("snapshot_show", {"id": seg(snapshot_id, "snapshot id")}, answer=wire.SnapshotDetail)
 

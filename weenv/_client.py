@@ -356,6 +356,11 @@ class Client:
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._run(calls.snapshot_delete(snapshot_id))
 
+    def pull_snapshot(self, ref: str) -> wire.SnapshotDetail:
+        """Record the snapshot published at ``ref`` (``commit(memory=True, ref=...)`` on another
+        node) as one of this node's; envs from its id restore its processes."""
+        return self._run(calls.snapshot_pull(ref))  # type: ignore[no-any-return]
+
     # -- volumes: node-local storage envs mount (a plan's [[volumes]], or create(..., volumes=[...]))
 
     def create_volume(self, name: str | None = None, *, size_bytes: int | None = None) -> vw.VolumeInfo:

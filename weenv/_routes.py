@@ -156,6 +156,7 @@ DAEMON_ROUTES: tuple[RouteSpec, ...] = (
     _r("network_show", "GET", "/v1/envs/{id}/network"),
     _r("network_change", "POST", "/v1/envs/{id}/network"),
     _r("snapshot_list", "GET", "/v1/snapshots"),
+    _r("snapshot_pull", "POST", "/v1/snapshots"),
     _r("snapshot_show", "GET", "/v1/snapshots/{id}"),
     _r("snapshot_delete", "DELETE", "/v1/snapshots/{id}"),
     _r("volume_create", "POST", "/v1/volumes"),

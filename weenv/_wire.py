@@ -212,6 +212,11 @@ class CommitRequest(RequestBody):
     memory: bool = False  # also checkpoint its processes (gVisor envs; docs/snapshots.md, "Memory")
 
 
+class SnapshotPullRequest(RequestBody):
+    """``POST /v1/snapshots``: record the snapshot published at ``ref`` on this node (its memory packs pulled)."""
+    ref: Annotated[str, Meta(min_length=1, max_length=512)]
+
+
 class ForkRequest(RequestBody):
     """``POST /v1/envs/{id}/fork``: commit once, start ``n`` children."""
     n: Annotated[int, Meta(ge=1, le=MAX_FORK)] = 1

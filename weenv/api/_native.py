@@ -49,6 +49,7 @@ from ._store import ApiKey, may_use
 ACCESS: dict[str, str] = {
     "ping": "any",
     "daemon_stop": "admin", "gc": "admin", "top": "admin", "metrics": "admin",
+    "snapshot_pull": "admin",  # the node reaches the registry REF names, and the snapshot is no key's
     "env_create": "create", "env_list": "list", "snapshot_list": "list",
     "snapshot_show": "snapshot", "snapshot_delete": "snapshot",
     "volume_create": "volume_create", "volume_list": "list",

@@ -476,6 +476,20 @@ def snapshot_ls(as_json: bool) -> None:
                      f"{human_bytes(s['diff_bytes'])}{'  ' + s['ref'] if s.get('ref') else ''}")
 
 
+@snapshot_group.command("pull")
+@click.argument("ref")
+@click.option("--json", "as_json", is_flag=True)
+@_api_errors
+def snapshot_pull(ref: str, as_json: bool) -> None:
+    """Record the snapshot published at REF on this node (with its memory, if it has one)."""
+    with _client() as c:
+        snap = c.pull_snapshot(ref)
+    if as_json:
+        print_json(snap)
+        return
+    stdout.print(f"{snap['id']}  from {ref}{'  with memory' if snap.get('memory') else ''}")
+
+
 @snapshot_group.command("rm")
 @click.argument("snapshot_ids", nargs=-1, required=True)
 @_api_errors

@@ -39,7 +39,7 @@ from ._report import Capacity, LayerHeld, NodeReport, capacity_from_top, envs_fr
 
 log = logging.getLogger("weenv.cluster")
 
-ANN_SNAPSHOT_LOCK = "dev.weenv.snapshot.lock"  # on a published snapshot's top manifest: the lock to start it
+ANN_SNAPSHOT_LOCK = "dev.weenv.snapshot.lock"  # on a published snapshot's top manifest: the lock to start it (_published.py)
 AGENT_NAMESPACE = "weenv"
 _MAX_SEEN = 4096
 
@@ -486,40 +486,27 @@ def _trees(root: str) -> list[tuple[str, int]]:
 
 
 def publish_snapshot(detail: dict[str, Any], repo: str, *, home: str, node: str) -> dict[str, Any]:
-    """Publish a snapshot (``GET /v1/snapshots/{id}``'s answer, its layers in ``home``'s embedded store)."""
+    """Publish a snapshot (``GET /v1/snapshots/{id}``'s answer, its layers in ``home``'s embedded
+    store) as ``repo:<snapshot id>``, with its memory packs if it has them
+    (:func:`weenv.provision.envs._published.publish_snapshot`)."""
     from ..plan import Lock, plan_from_builtins, plan_to_builtins
-    from ..registry import LayoutStore, parse_ref, publish_layer_file
+    from ..provision.envs._published import SnapshotPublishError
+    from ..provision.envs._published import publish_snapshot as publish
+    from ..registry import LayoutStore, parse_ref
 
     snap_id = detail["id"]
     # the lock as the plan codec reads it (sizes in bytes, every default explicit)
     lock = plan_to_builtins(plan_from_builtins(detail["lock"], Lock, source=f"snapshot {snap_id} on node {node}"))
-    local = [g["name"] for g in lock["groups"] if not g.get("registry")]
-    if local:
-        raise ClusterError(f"snapshot {snap_id} on node {node}: its plan's groups {local} live in the node's "
-                           f"embedded store; publish the plan's groups to a registry so other nodes can read them")
     r = parse_ref(f"{repo}:{snap_id}")
     if r.registry is None:
         raise ClusterError(f"cluster store {repo!r}: name a registry (host[:port]/repo)")
-    store = LayoutStore(os.path.join(home, "store"))
-    groups = list(lock.get("groups", []))
     layers = detail.get("layers", [])
-    if not layers:
-        raise ClusterError(f"snapshot {snap_id} has no layers")
-    for i, layer in enumerate(layers):
-        ref = f"{repo}:{snap_id}-{i}"
-        res = publish_layer_file(store.blob_path(layer["digest"]), ref, group=f"snapshot{i}", group_class="task",
-                                 digest=layer["digest"], source=f"weenv cluster publish {snap_id} (node {node})")
-        groups.append({"name": f"{snap_id}-{i}", "ref": ref, "class": "task", "digest": res.digest,
-                       "layer_digest": res.layer_digest, "layer_size": res.size, "toc_digest": res.toc_digest,
-                       "registry": r.registry, "repo": r.repo})
-    lock["groups"] = groups
-    plan_from_builtins(lock, Lock, source=f"published snapshot {snap_id}")  # refuse what no node would start
-    top = layers[-1]
-    ref = f"{repo}:{snap_id}"
-    publish_layer_file(store.blob_path(top["digest"]), ref, group="snapshot", group_class="task", digest=top["digest"],
-                       source=f"weenv cluster publish {snap_id} (node {node})",
-                       annotations={ANN_SNAPSHOT_LOCK: json.dumps(lock, sort_keys=True, separators=(",", ":"))})
-    return {"id": snap_id, "ref": ref, "home": node, "lock": lock,
+    try:
+        out = publish(snap_id, lock, layers, detail.get("memory"), f"{repo}:{snap_id}",
+                      store=LayoutStore(os.path.join(home, "store")), source=f"weenv cluster publish {snap_id} (node {node})")
+    except SnapshotPublishError as e:
+        raise ClusterError(f"{e} (node {node})") from None
+    return {"id": snap_id, "ref": out["ref"], "home": node, "lock": out["lock"],
             "layers": [(x["digest"], int(x["size"])) for x in layers]}
 
 

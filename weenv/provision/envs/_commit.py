@@ -211,14 +211,28 @@ class Snapshotter:
             return snap, await self.start_children(env_id, snap, n)
         started: list[list[EnvRecord]] = []
 
-        async def then(snap: SnapshotRecord) -> None:
-            started.append(await self.start_children(env_id, snap, n))
+        async def then(snap: SnapshotRecord, restore_from: str | None = None) -> None:
+            started.append(await self.start_children(env_id, snap, n, restore_from=restore_from))
 
-        snap = await commit(env_id, then)
+        try:
+            snap = await commit(env_id, then)
+        except BaseException:
+            if started:  # the children are up but the commit failed after (its image's seal): all or none
+                with trio.CancelScope(shield=True):
+                    async with trio.open_nursery() as nursery:
+                        for child in started[0]:
+                            nursery.start_soon(self._kill, child.id)
+                    try:
+                        self.delete(started[0][0].snapshot or "")
+                    except Exception as e:
+                        log.warning("fork of %s failed; its snapshot stays until gc: %s", env_id, e)
+            raise
         return snap, started[0]
 
-    async def start_children(self, env_id: str, snap: SnapshotRecord, n: int) -> list[EnvRecord]:
-        """``n`` envs from ``snap`` (a fork's: gc collects it with them), all or none."""
+    async def start_children(self, env_id: str, snap: SnapshotRecord, n: int, *, restore_from: str | None = None
+                             ) -> list[EnvRecord]:
+        """``n`` envs from ``snap`` (a fork's: gc collects it with them), all or none
+        (``restore_from``: the checkpoint directory they restore from, see :mod:`._memory`)."""
         restricted = self._get(env_id).restricted  # a tenant's env has a tenant's children
         snap.fork = True  # nobody asked for this snapshot: gc collects it when its children are gone
         self.records.save(snap)
@@ -227,7 +241,8 @@ class Snapshotter:
 
         async def one() -> None:
             try:
-                children.append(await self._start(snap.id, restricted=restricted))
+                kw = {"restore_from": restore_from} if restore_from is not None else {}
+                children.append(await self._start(snap.id, restricted=restricted, **kw))
             except Exception as e:  # collected: the others keep going, then all are undone
                 errors.append(e)
 
@@ -258,7 +273,8 @@ class Snapshotter:
         used: set[str] = set()
         for other in self.records.list():
             used.update(layer.digest for layer in other.layers)
-            used.update([other.memory.digest] if other.memory is not None else [])
+            if other.memory is not None:
+                used.update(b.digest for b in other.memory.blobs())
         for env in self._envs.values():
             used.update(x["digest"] for x in env.snapshot_layers)
         store = self.layout()
@@ -281,14 +297,35 @@ class Snapshotter:
                     removed.append(layer.digest)
                 except FileNotFoundError:
                     pass
-        if rec.memory is not None and rec.memory.digest not in used:  # its checkpoint image: no tag holds one
+        if rec.memory is not None:  # its checkpoint image (no tag holds one), and its packs no other image reads
             if self.memory_images is not None:
-                self.memory_images.discard(rec.memory.digest)
-            try:
-                os.unlink(store.blob_path(rec.memory.digest))
-                removed.append(rec.memory.digest)
-            except FileNotFoundError:
-                pass
+                used |= self.memory_images.pinned()
+                if rec.memory.digest not in used:
+                    self.memory_images.discard(rec.memory.digest)
+            for blob in rec.memory.blobs():
+                if blob.digest in used:
+                    continue
+                try:
+                    os.unlink(store.blob_path(blob.digest))
+                    removed.append(blob.digest)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def discard_memory(self, memory: MemoryImage) -> list[str]:
+        """Remove the blobs of an image no snapshot recorded (a fork undone while it was sealed)
+        that no recorded image uses."""
+        used = {b.digest for r in self.records.list() if r.memory is not None for b in r.memory.blobs()}
+        if self.memory_images is not None:
+            used |= self.memory_images.pinned() - {memory.digest}
+        removed = []
+        for blob in memory.blobs():
+            if blob.digest not in used:
+                try:
+                    os.unlink(self.layout().blob_path(blob.digest))
+                    removed.append(blob.digest)
+                except FileNotFoundError:
+                    pass
         return removed
 
     # ------------------------------------------------------------------ gc

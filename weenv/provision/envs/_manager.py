@@ -49,7 +49,8 @@ from ._parking import Parking, check_park_after
 from ._fileops import file_op, resolve_user
 from ._pool import WarmPool
 from ._setup import EnvSetup
-from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, SnapshotTrees
+from ._published import pull_memory, read_published
+from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, SnapshotTrees, new_snapshot_id
 from ._startcheck import LockVerifier, check_start, env_limits, lock_for, tenant_problems
 from ._state import EnvRecord
 from ._trees import LayerTrees
@@ -114,7 +115,9 @@ class EnvManager:
                                         envs=self.envs, cgroups=self.cgroups, get=self.get, env_lock=self._lock,
                                         envlet=envlet, monitor=monitor, idmap=idmap, spawn=self._spawn,
                                         start=self.create_from_snapshot, kill=self.kill)
-        self._snapshotter.memory_images = images = MemoryImages(os.path.join(home, "memory-images"), self._snapshotter.layout)
+        self._snapshotter.memory_images = images = MemoryImages(
+            os.path.join(home, "memory-images"), self._snapshotter.layout,
+            known=lambda: [s.memory for s in self.snapshots.list() if s.memory is not None])
         self._memory = MemorySnapshotter(
             runtime=runtime, envs_dir=envs_dir, images=images, snapshotter=self._snapshotter, get=self.get,
             env_lock=self._lock, cgroups=self.cgroups, monitor=monitor, save=self._save,
@@ -470,16 +473,40 @@ class EnvManager:
             return await self._memory.commit(env_id, ref=ref)
         return await self._snapshotter.commit(env_id, ref=ref, build_key=build_key)
 
-    async def create_from_snapshot(self, snap_id: str, *, restricted: bool = False, **overrides: Any) -> EnvRecord:
-        """An env from a snapshot, with ``overrides`` applied to its lock (``restricted``: see :meth:`create`)."""
+    async def create_from_snapshot(self, snap_id: str, *, restricted: bool = False, restore_from: str | None = None,
+                                   **overrides: Any) -> EnvRecord:
+        """An env from a snapshot, with ``overrides`` applied to its lock (``restricted``: see
+        :meth:`create`; ``restore_from``: a fork's child, restored from its commit's checkpoint
+        directory while the image is sealed)."""
         snap = self.snapshots.get(snap_id)
+        if restore_from is None and snap_id in self._memory.sealing:
+            raise EnvStateError(f"snapshot {snap_id}: its memory image is being sealed (a fork's): try again")
         lock: Plan = msgspec.convert(snap.lock, Lock)
         clean = {k: v for k, v in overrides.items() if v is not None}
         if clean:
             lock = apply_overrides(lock, **clean)
-        image = await trio.to_thread.run_sync(self._memory.images.ensure, snap.memory) if snap.memory else None
-        return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
-                                 start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image)
+        held = snap.memory if restore_from is None else None
+        image = await trio.to_thread.run_sync(self._memory.images.checkout, held) if held else restore_from
+        try:
+            return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
+                                     start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image)
+        finally:
+            if held is not None:  # restored (runsc read the whole image): the copy written for it goes
+                await trio.to_thread.run_sync(self._memory.images.release, held)
+
+    async def pull_snapshot(self, ref: str) -> SnapshotRecord:
+        """Record the snapshot published at ``ref`` (:mod:`._published`) as one of this node's:
+        envs from it start on its published lock, and restore its processes if it has memory
+        (its packs are downloaded into the embedded store first)."""
+        lock, memory = await trio.to_thread.run_sync(read_published, ref)
+        if memory is not None:
+            layout = self._snapshotter.layout()
+            pulled = await trio.to_thread.run_sync(pull_memory, ref, memory, layout)
+            log.info("snapshot %s: %d bytes of memory packs pulled", ref, pulled)
+        snap = SnapshotRecord(id=new_snapshot_id(), source_env=ref.rsplit(":", 1)[-1], lock=lock, memory=memory,
+                              ref=ref)
+        self.snapshots.save(snap)
+        return snap
 
     async def fork(self, env_id: str, n: int, *, memory: bool = False) -> tuple[SnapshotRecord, list[EnvRecord]]:
         """Commit once, start ``n`` children from that state; all or none (a failure kills the started ones).

@@ -2,7 +2,7 @@
 
 A snapshot is ``lock`` (the source env's plan lock) plus ``layers`` (sealed uppers, bottom first:
 a snapshot of an env that itself started from a snapshot stacks one more layer), and for a memory
-snapshot ``memory`` (the runtime's checkpoint image, sealed as one more layer blob: :mod:`._memory`). Records live in
+snapshot ``memory`` (the runtime's checkpoint image as deduplicated chunks in packs: :mod:`._memory`). Records live in
 ``$WEENV_HOME/snapshots/<id>.json``; the layer blobs live in the embedded store, and are deleted
 only when no snapshot, running env or published tag references them.
 
@@ -39,14 +39,24 @@ class SnapshotLayer(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class MemoryImage(msgspec.Struct, frozen=True, kw_only=True):
-    """A memory snapshot's process state: the runtime's checkpoint image directory sealed as a
-    layer of the embedded store (chunked, content-addressed; :mod:`._memory`)."""
+    """A memory snapshot's process state: the runtime's checkpoint image in the embedded store.
 
-    digest: str
+    ``chunked`` (every image made since): its blob is a pack of content-defined chunks of the
+    image plus its recipe, holding only the chunks no earlier pack had; ``packs`` are the
+    earlier packs it takes the others from (:mod:`._memory`, :mod:`._memchunks`). Not
+    ``chunked``: its blob is a layer of the image directory's files, whole."""
+
+    digest: str  # its own blob (a pack, or the layer of its files)
     size: int
     toc_digest: str
     image_bytes: int  # the checkpoint image as the runtime wrote it
     facts: dict[str, str] = {}  # what it restores under: runtime, platform, runtime version
+    chunked: bool = False
+    packs: list[SnapshotLayer] = []  # the other packs holding chunks of it
+
+    def blobs(self) -> list[SnapshotLayer]:
+        """Every blob it needs, its own first."""
+        return [SnapshotLayer(digest=self.digest, size=self.size, toc_digest=self.toc_digest), *self.packs]
 
 
 class SnapshotRecord(msgspec.Struct, kw_only=True):

@@ -142,6 +142,7 @@ class DaemonApi:
             ("snapshot_list", self.snapshots),
             ("snapshot_show", self.snapshot),
             ("snapshot_delete", self.snapshot_rm),
+            ("snapshot_pull", self.snapshot_pull),
             ("env_list", self.ps),
             ("env_show", self.show),
             ("env_kill", self.kill),
@@ -222,6 +223,10 @@ class DaemonApi:
     async def snapshot(self, req: Request) -> Response:
         rec = await _sync(self.manager.snapshots.get, req.params["id"])
         return json_response(msgspec.convert({**rec.public(), "lock": rec.lock}, wire.SnapshotDetail))
+
+    async def snapshot_pull(self, req: Request) -> Response:
+        rec = await self.manager.pull_snapshot(req.decode(wire.SnapshotPullRequest).ref)
+        return json_response(msgspec.convert({**rec.public(), "lock": rec.lock}, wire.SnapshotDetail), 201)
 
     async def snapshot_rm(self, req: Request) -> Response:
         removed = await _sync(self.manager.delete_snapshot, req.params["id"])
