@@ -1,22 +1,21 @@
 """The daemon's HTTP API bodies: one msgspec Struct per request body, query string and answer.
 
-The daemon decodes every request here, at its boundary, so a handler only ever sees typed,
-bounded values; a bad body is a 400 naming the place (``at $.timeout_s``, ``at $.argv[2]``).
-The clients encode their requests with the same Structs and decode the answers with them.
+The daemon decodes every request here, at its boundary, so a handler only ever sees typed, bounded
+values; a bad body is a 400 naming the place (``at $.timeout_s``, ``at $.argv[2]``). The clients
+encode their requests with the same Structs and decode the answers with them.
 
 Schema evolution rules (the daemon and a client may be of different versions):
 
 - Requests (:class:`RequestBody`) are strict: an unknown field is an error, never ignored, so a
-  misspelt option cannot silently do nothing. A new request field must have a default that keeps
-  the old behaviour; a client must not send it to an older daemon.
+  misspelt option cannot silently do nothing. A new request field has a default that keeps the
+  old behaviour, and a client does not send it to an older daemon.
 - Answers (:class:`ResponseBody`) are lenient: a client ignores fields it does not know, so the
-  daemon may add answer fields at any time. It never removes or retypes one.
-- Numbers are bounded (no NaN or infinity: JSON cannot carry NaN, and every float has an upper
-  bound, so ``1e999`` is refused). Strings that reach the env's kernel (argv, env, cwd) must not
-  hold NUL bytes.
+  daemon may add answer fields at any time; it never removes or retypes one.
+- Numbers are bounded (no NaN or infinity: JSON cannot carry NaN, every float has an upper bound,
+  so ``1e999`` is refused). Strings that reach the env's kernel (argv, env, cwd) hold no NUL byte.
 
-Limits: a JSON body is at most :data:`MAX_JSON_BODY_BYTES`; a file upload (``PUT .../files``) at
-most :data:`MAX_UPLOAD_BYTES`, streamed to the env's disk as it arrives.
+Limits: a JSON body is at most :data:`MAX_JSON_BODY_BYTES`; an upload (``PUT .../files``) at most
+:data:`MAX_UPLOAD_BYTES`, streamed to the env's disk as it arrives.
 """
 
 from __future__ import annotations
@@ -166,12 +165,10 @@ class WaitRequest(RequestBody):
 
 class Overrides(RequestBody):
     """Values that replace the plan's (see :func:`weenv.plan.apply_overrides`)."""
-
     name: Name | None = None
     ttl_s: TtlS | None = None
     cpu: Cores | Annotated[str, Meta(max_length=64)] | None = None  # cores: 0.5, "0.5" or a range "0.25-2"
-    memory: Bytes | Annotated[str, Meta(max_length=64)] | None = None
-    """Bytes, ``"1GiB"`` or a range ``"512MiB-2GiB"``."""
+    memory: Bytes | Annotated[str, Meta(max_length=64)] | None = None  # bytes, "1GiB" or a range "512MiB-2GiB"
     env: dict[EnvName, NoNul] | None = None
     workdir: Path | None = None
     user: Name | None = None
@@ -212,8 +209,7 @@ class CommitRequest(RequestBody):
     memory: bool = False  # also checkpoint its processes (gVisor envs; docs/snapshots.md, "Memory")
 
 
-class SnapshotPullRequest(RequestBody):
-    """``POST /v1/snapshots``: record the snapshot published at ``ref`` on this node (its memory packs pulled)."""
+class SnapshotPullRequest(RequestBody):  # POST /v1/snapshots: record the snapshot published at ref (memory pulled)
     ref: Annotated[str, Meta(min_length=1, max_length=512)]
 
 
@@ -289,12 +285,11 @@ class NoQuery(RequestBody):
 
 KIND_STATUS: dict[str, int] = {
     "bad_request": 400, "bad_path": 400, "bad_plan": 400, "file_error": 400, "command_not_found": 400,
-    "cannot_start": 400,
-    "unauthorized": 401, "forbidden": 403,
+    "cannot_start": 400, "unauthorized": 401, "forbidden": 403,
     "not_found": 404, "no_route": 404, "env_not_found": 404, "snapshot_not_found": 404, "file_not_found": 404,
     "process_not_found": 404, "template_not_found": 404, "key_not_found": 404, "volume_not_found": 404,
-    "method_not_allowed": 405, "wrong_state": 409, "memory_unavailable": 409, "process_state": 409, "process_exited": 409, "conflict": 409, "volume_in_use": 409,
-    "volume_conflict": 409,
+    "method_not_allowed": 405, "wrong_state": 409, "memory_unavailable": 409, "process_state": 409,
+    "process_exited": 409, "conflict": 409, "volume_in_use": 409, "volume_conflict": 409,
     "env_lost": 410, "too_large": 413, "unsupported_media": 415, "quota_exceeded": 429,
     "internal": 500, "failed": 500, "start_failed": 500, "template_unreadable": 500, "not_supported": 501,
     "registry": 502, "store_error": 502, "env_not_running": 502, "daemon_error": 502,
@@ -304,8 +299,8 @@ KIND_STATUS: dict[str, int] = {
 API and on ``weenv serve`` alike (tests/test_kinds.py checks every place that raises one)."""
 
 API_STATUS: dict[str, int] = {"not_admitted": 429}
-"""Where ``weenv serve`` answers a daemon's kind with another status: a full node is E2B's "too many
-sandboxes", a 429 (the SDK's RateLimitException)."""
+"""Where ``weenv serve`` answers a daemon's kind with another status: a full node is E2B's "too
+many sandboxes", a 429 (the SDK's RateLimitException)."""
 
 
 class HttpError(Exception):
@@ -408,8 +403,8 @@ class Top(ResponseBody):
 
 
 class NetworkInfo(ResponseBody):
-    """``GET|POST /v1/envs/{id}/network``: an egress env's addresses, policy, pinned names and
-    accounting (docs/network.md); ``mode`` is ``not egress`` for the others."""
+    """``GET|POST /v1/envs/{id}/network``: an egress env's addresses, policy, pinned names and accounting
+    (docs/network.md); ``mode`` is ``not egress`` for the others."""
 
     mode: str = "egress"
     address: str | None = None
@@ -514,8 +509,8 @@ class ExecResult(ResponseBody, frozen=True):
 
 
 class ExecFrame(ResponseBody, kw_only=True, omit_defaults=True):
-    """One NDJSON line of a streamed exec: output (``stream`` + ``data_b64``), then exactly one
-    last line with ``result`` or ``error``."""
+    """One NDJSON line of a streamed exec: output (``stream`` + ``data_b64``), then one last line with
+    ``result`` or ``error``."""
 
     stream: Literal["stdout", "stderr"] | None = None
     data_b64: bytes | None = None

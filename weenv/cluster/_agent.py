@@ -488,11 +488,11 @@ def _trees(root: str) -> list[tuple[str, int]]:
 def publish_snapshot(detail: dict[str, Any], repo: str, *, home: str, node: str) -> dict[str, Any]:
     """Publish a snapshot (``GET /v1/snapshots/{id}``'s answer, its layers in ``home``'s embedded
     store) as ``repo:<snapshot id>``, with its memory packs if it has them
-    (:func:`weenv.provision.envs._published.publish_snapshot`)."""
+    (:func:`weenv.registry._published.publish_snapshot`)."""
     from ..plan import Lock, plan_from_builtins, plan_to_builtins
-    from ..provision.envs._published import SnapshotPublishError
-    from ..provision.envs._published import publish_snapshot as publish
     from ..registry import LayoutStore, parse_ref
+    from ..registry._published import SnapshotNotPublishable
+    from ..registry._published import publish_snapshot as publish
 
     snap_id = detail["id"]
     # the lock as the plan codec reads it (sizes in bytes, every default explicit)
@@ -504,7 +504,7 @@ def publish_snapshot(detail: dict[str, Any], repo: str, *, home: str, node: str)
     try:
         out = publish(snap_id, lock, layers, detail.get("memory"), f"{repo}:{snap_id}",
                       store=LayoutStore(os.path.join(home, "store")), source=f"weenv cluster publish {snap_id} (node {node})")
-    except SnapshotPublishError as e:
+    except SnapshotNotPublishable as e:
         raise ClusterError(f"{e} (node {node})") from None
     return {"id": snap_id, "ref": out["ref"], "home": node, "lock": out["lock"],
             "layers": [(x["digest"], int(x["size"])) for x in layers]}

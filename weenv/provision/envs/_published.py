@@ -1,15 +1,9 @@
-"""Snapshots published to a registry, and pulled from one onto another node (docs/snapshots.md).
+"""Snapshots pulled from a registry onto this node (docs/snapshots.md); their published form and
+the publishing are weenv/registry/_published.py's (the cluster publishes with it too).
 
-A published snapshot is tagged ``REF`` (``host[:port]/repo:tag``): each of its layers is a
-``task`` group ``REF-<i>``, and ``REF`` itself names its top layer with the plan lock that
-starts it on any node (:data:`ANN_SNAPSHOT_LOCK`: the source's groups plus those layers). A
-memory snapshot's packs (:mod:`._memory`: weenv layers of deduplicated chunks) are pushed the
-same way, as ``task`` groups ``REF-m<i>``, blob for blob (their digests do not change), and
-:data:`ANN_SNAPSHOT_MEMORY` on ``REF`` holds its :class:`~._snapshots.MemoryImage`. Pushes
-skip blobs the repository has: a pack shared by several published images goes up once.
-
-:func:`pull_snapshot` reads ``REF`` back: the lock, and the memory packs, downloaded into this
-node's embedded store (each blob checked against its digest) unless they are there already.
+:func:`read_published` reads ``REF`` back: the lock, and the memory image;
+:func:`pull_memory` downloads its packs into this node's embedded store (each blob checked
+against its digest) unless they are there already.
 """
 
 from __future__ import annotations
@@ -22,14 +16,12 @@ from typing import Any
 
 import msgspec
 
-from ...registry import LayoutStore, open_store, parse_ref, publish_layer_file
+from ...registry import LayoutStore, open_store, parse_ref
+from ...registry._published import ANN_SNAPSHOT_LOCK, ANN_SNAPSHOT_MEMORY, SnapshotNotPublishable
+from ...registry._published import publish_snapshot as _publish
 from ...registry._group import parse_manifest
 from .._errors import EnvError, EnvStateError
 from ._snapshots import MemoryImage
-
-ANN_SNAPSHOT_LOCK = "dev.weenv.snapshot.lock"  # on a published snapshot's top manifest: the lock to start it
-ANN_SNAPSHOT_MEMORY = "dev.weenv.snapshot.memory"  # and, for a memory snapshot, its image (MemoryImage as JSON)
-
 
 class SnapshotPublishError(EnvStateError):
     """A snapshot cannot be published as asked (its plan's groups are local, no registry named, …)."""
@@ -37,44 +29,11 @@ class SnapshotPublishError(EnvStateError):
 
 def publish_snapshot(snap_id: str, lock: dict[str, Any], layers: list[dict[str, Any]], memory: dict[str, Any] | None,
                      ref: str, *, store: LayoutStore, source: str) -> dict[str, Any]:
-    """Publish a snapshot held in ``store`` (see the module docstring) at ``ref``; ``lock`` is
-    the plan lock as the plan codec writes it. Returns ``{"ref", "lock", "memory"}``."""
-    from ...plan import Lock, plan_from_builtins
-
-    local = [g["name"] for g in lock["groups"] if not g.get("registry")]
-    if local:
-        raise SnapshotPublishError(f"snapshot {snap_id}: its plan's groups {local} live in the node's embedded "
-                                   "store; publish the plan's groups to a registry so other nodes can read them")
-    r = parse_ref(ref)
-    if r.registry is None or r.tag is None:
-        raise SnapshotPublishError(f"{ref!r}: name a registry and a tag (host[:port]/repo:tag) to publish to")
-    if not layers:
-        raise SnapshotPublishError(f"snapshot {snap_id} has no layers")
-    groups = list(lock.get("groups", []))
-    for i, layer in enumerate(layers):
-        res = publish_layer_file(store.blob_path(layer["digest"]), f"{ref}-{i}", group=f"snapshot{i}",
-                                 group_class="task", digest=layer["digest"], source=source)
-        groups.append({"name": f"{r.tag}-{i}", "ref": f"{ref}-{i}", "class": "task", "digest": res.digest,
-                       "layer_digest": res.layer_digest, "layer_size": res.size, "toc_digest": res.toc_digest,
-                       "registry": r.registry, "repo": r.repo})
-    lock = {**lock, "groups": groups}
-    plan_from_builtins(lock, Lock, source=f"published snapshot {snap_id}")  # refuse what no node would start
-    annotations = {ANN_SNAPSHOT_LOCK: json.dumps(lock, sort_keys=True, separators=(",", ":"))}
-    if memory is not None:
-        image = msgspec.convert(memory, MemoryImage)
-        if not image.chunked:
-            raise SnapshotPublishError(f"snapshot {snap_id}: its memory image was made before images were chunked; "
-                                       "commit the env with memory again to publish it")
-        for i, blob in enumerate(image.blobs()):
-            res = publish_layer_file(store.blob_path(blob.digest), f"{ref}-m{i}", group=f"memory{i}",
-                                     group_class="task", digest=blob.digest, source=source)
-            if res.layer_digest != blob.digest:  # a pack is pushed as it is, or its image names nothing
-                raise EnvError(f"snapshot {snap_id}: pack {blob.digest} was published as {res.layer_digest}")
-        annotations[ANN_SNAPSHOT_MEMORY] = msgspec.json.encode(image).decode()
-    top = layers[-1]
-    publish_layer_file(store.blob_path(top["digest"]), ref, group="snapshot", group_class="task",
-                       digest=top["digest"], source=source, annotations=annotations)
-    return {"ref": ref, "lock": lock, "memory": memory}
+    """:func:`weenv.registry._published.publish_snapshot`, its refusals as this node's 409s."""
+    try:
+        return _publish(snap_id, lock, layers, memory, ref, store=store, source=source)
+    except SnapshotNotPublishable as e:
+        raise SnapshotPublishError(str(e)) from None
 
 
 def read_published(ref: str) -> tuple[dict[str, Any], MemoryImage | None]:
