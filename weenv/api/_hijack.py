@@ -21,15 +21,22 @@ from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.utils import suppress_body as _hypercorn_suppress_body
 
+from ._peerread import until_peer_read
+
 __all__ = ["HijackH11Protocol", "allow_hijack"]
 
 
 class HijackH11Protocol(H11Protocol):
     """hypercorn's HTTP/1.1 protocol; after a 101 the app's body is the raw connection."""
 
+    _headers_read = False
+
     async def _send_h11_event(self, event: Any) -> None:
         if self.connection.our_state is h11.SWITCHED_PROTOCOL:
             if isinstance(event, h11.Data):
+                if not self._headers_read:  # the 101's headers off the socket before any output
+                    self._headers_read = True
+                    await until_peer_read(self.send)
                 await self.send(RawData(data=bytes(event.data)))
             elif isinstance(event, h11.EndOfMessage):
                 await self.send(Closed())  # the stream is over: so is the connection
