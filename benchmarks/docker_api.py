@@ -160,20 +160,20 @@ def _tail(home: str, name: str) -> str:
         return ""
 
 
-def first_output(client: Any, image: str) -> float:
+def first_output(side: str, client: Any, image: str) -> float:
     """Seconds from ``containers.run`` to ``exec_run("echo hi")``'s output; the container removed after."""
     t0 = time.perf_counter()
     ct = client.containers.run(image, "sleep 1000000", detach=True, network_mode="none")
     try:
         res = ct.exec_run("echo hi")
         took = time.perf_counter() - t0
-        assert (res.exit_code, res.output) == (0, b"hi\n"), res
+        assert (res.exit_code, res.output) == (0, b"hi\n"), f"{side}: exec_run('echo hi') gave {res}"
         return took
     finally:
         ct.remove(force=True)
 
 
-def swe_task(client: Any, image: str) -> dict[str, float]:
+def swe_task(side: str, client: Any, image: str) -> dict[str, float]:
     """One SWE-style evaluation; the seconds of each step."""
     steps: dict[str, float] = {}
     t = time.perf_counter()
@@ -192,10 +192,12 @@ def swe_task(client: Any, image: str) -> dict[str, float]:
         assert ct.put_archive("/tmp", PATCH_TAR)
         step("put_archive")
         res = ct.exec_run(["sh", "-c", "timeout 60 sh /tmp/eval.sh > /tmp/test_output.txt 2>&1; echo $?"])
-        assert res.output == b"0\n", res
+        assert res.output == b"0\n", f"{side}: the tests' exec_run gave {res}"
         step("run the tests")
         out = ct.exec_run("cat /tmp/test_output.txt").output
-        assert out.endswith(TAIL) and out.count(b"PASSED") == len(TESTS), out
+        if not (out.endswith(TAIL) and out.count(b"PASSED") == len(TESTS)):
+            raise AssertionError(f"{side}: exec_run('cat /tmp/test_output.txt') gave {out!r}; the file, by "
+                                 f"get_archive: {_file(ct, '/tmp/test_output.txt')!r}")
         step("read the log")
     finally:
         ct.remove(force=True)
@@ -203,10 +205,17 @@ def swe_task(client: Any, image: str) -> dict[str, float]:
     return steps
 
 
-def swe_round(client: Any, image: str, width: int) -> tuple[float, list[dict[str, float]]]:
+def _file(ct: Any, path: str) -> bytes:
+    stream, _stat = ct.get_archive(path)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as t:
+        f = t.extractfile(os.path.basename(path))
+        return f.read() if f is not None else b""
+
+
+def swe_round(side: str, client: Any, image: str, width: int) -> tuple[float, list[dict[str, float]]]:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(width) as pool:
-        each = list(pool.map(lambda _: swe_task(client, image), range(width)))
+        each = list(pool.map(lambda _: swe_task(side, client, image), range(width)))
     return time.perf_counter() - t0, each
 
 
@@ -244,17 +253,17 @@ def main() -> None:
             steps: dict[str, list[dict[str, float]]] = {n: [] for n in clients}
             for name, c in clients.items():  # warm: weenv converts the image's layers; code paths; page cache
                 for _ in range(3):
-                    first_output(c, image)
-                swe_task(c, image)
-                swe_round(c, image, min(4, width))
+                    first_output(name, c, image)
+                swe_task(name, c, image)
+                swe_round(name, c, image, min(4, width))
             for i in range(pairs):
                 for name in random.sample(list(clients), len(clients)):
-                    first[name].append(first_output(clients[name], image))
+                    first[name].append(first_output(name, clients[name], image))
             for i in range(rounds):
                 order = list(clients) if i % 2 == 0 else list(reversed(clients))
                 for name in order:
                     time.sleep(1.0)  # the last round's removals settle
-                    wall, each = swe_round(clients[name], image, width)
+                    wall, each = swe_round(name, clients[name], image, width)
                     walls[name].append(wall)
                     steps[name] += each
             for c in clients.values():
