@@ -29,6 +29,7 @@ BENCHMARKS = [
     ("runtimes", "crun vs gVisor: start latency and exec round trip in the same run", 900),
     ("isolation", "user namespaces: start latency and exec round trip with vs without, same run", 900),
     ("e2b_api", "E2B SDK through weenv serve vs the native client: start, command, files, 64 at once", 900),
+    ("docker_api", "docker-py via weenv serve --docker vs dockerd: create → first exec, 16-way SWE round", 900),
     ("network", "egress envs: start vs network = none, NAT vs loopback throughput", 900),
     ("snapshot", "pause, resume, commit, fork vs cp -a", 900),
     ("memory_snapshots", "gVisor memory snapshots: park, resume, fork ×3 vs cold start + rebuild, vs bare runsc", 900),

@@ -539,3 +539,35 @@ def test_every_container_route_wants_a_key_and_reads_a_twice_encoded_id_as_refus
                 assert r.status_code in (400, 404), (method, path.format(twice), r.status_code, r.text[:200])
     assert alice.containers.get(ct.id).status == "running"  # nothing above reached it
     ct.kill()
+
+
+def test_exec_output_waits_until_the_client_read_the_101_on_the_socket(dk: DockerServed, daemon: DaemonHandle) -> None:
+    """docker-py reads the 101's headers through a buffered reader and the output from the socket
+    under it: output already on the socket when it reads the headers is lost to it (docker-py
+    #3332). A client that reads nothing for a while after its exec start must find only the
+    headers in its first read, the output after them."""
+    import socket
+    import time
+
+    from docker.utils.socket import frames_iter
+
+    client = docker.DockerClient(base_url=f"unix://{dk.socket}", version=API, timeout=60)
+    ct = client.containers.run(dk.image, "sleep 300", detach=True, labels=LABEL)
+    try:
+        exec_id = client.api.exec_create(ct.id, ["echo", "hi"])["Id"]
+        body = b'{"Detach": false, "Tty": false}'
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(dk.socket)
+        with s:
+            s.sendall(b"POST /v%s/exec/%s/start HTTP/1.1\r\nHost: docker\r\nContent-Type: application/json\r\n"
+                      b"Connection: Upgrade\r\nUpgrade: tcp\r\nContent-Length: %d\r\n\r\n%s"
+                      % (API.encode(), exec_id.encode(), len(body), body))
+            time.sleep(0.5)  # echo ran and ended long since
+            first = s.recv(1 << 16)
+            assert first.startswith(b"HTTP/1.1 101") and first.endswith(b"\r\n\r\n"), first
+            frames = [(stream, bytes(data)) for stream, data in frames_iter(s, tty=False) if data]
+        assert frames == [(1, b"hi\n")], frames
+        assert client.api.exec_inspect(exec_id)["ExitCode"] == 0
+    finally:
+        ct.remove(force=True)
+        client.close()

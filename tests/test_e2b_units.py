@@ -386,3 +386,32 @@ def test_image_routing_parses_sizes_and_routes_only_the_sdk_default_template() -
     with pytest.raises(HttpError, match=r"metadata.size: 'xl' is not a size this server knows \(sm\)"):
         r.route("base", {"image": "reg/x:1", "size": "xl"})
     assert ImageRouting("image").route("base", {"image": "reg/x:1", "size": "xl"}) == ("reg/x:1", {})
+
+
+def test_owner_table_writes_are_in_place_at_once_and_synced_by_another_thread(home: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The server writes the owner table from its event loop on every create and remove: the new
+    file is there for other readers when put_env returns, its fsync (and its directory's) happens
+    on the syncer's thread, and flush waits for it."""
+    import threading
+
+    from weenv.api import OwnerTable
+    from weenv.api import _store
+
+    synced: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(_store.os, "fsync", fsync)
+    table = OwnerTable(home)
+    table.put_env("e-1", {"owner": "alice"})
+    assert OwnerTable(home).env("e-1") == {"owner": "alice"}  # another reader (the CLI, a test) sees it now
+    assert table.flush(10)
+    path = os.path.join(home, "envs.json")
+    assert ("weenv-api-fsync", path) in synced and ("weenv-api-fsync", home) in synced
+    assert not [who for who, _ in synced if who == threading.current_thread().name]  # never on the writer's
+    table.forget_envs(["e-1"])
+    assert OwnerTable(home).env("e-1") is None and table.flush(10)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

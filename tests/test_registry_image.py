@@ -165,6 +165,34 @@ def test_pull_docker_archive_and_registry_give_the_same_layer(busybox_oci, regis
     assert info.group_class == "os" and R.image_config(info.pinned_ref).working_dir == "/srv"
 
 
+def test_a_config_is_read_once_per_digest_and_a_moved_tag_reads_its_new_one(busybox_oci, registry,
+                                                                          tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every Docker API create opens the image twice (serve, daemon): the config blob comes from the
+    registry once per digest; the manifest is read each time, so a tag pushed anew is seen."""
+    from weenv.registry._image import open_image_source
+
+    ref = f"{registry.host}/images/cfg-cache:1"
+    run("skopeo", "copy", "--dest-tls-verify=false", f"oci:{busybox_oci}:bb", f"docker://{ref}")
+    requests, digests = [], []
+    for _ in range(2):
+        src = open_image_source(ref)
+        requests.append(src.store.stats.requests)  # type: ignore[attr-defined]
+        digests.append(src.config_digest)
+        assert "FOO=bar" in src.config["config"]["Env"]
+        src.close()
+    assert requests == [2, 1] and digests[0] == digests[1]  # manifest + config, then the manifest alone
+    moved = str(tmp_path / "oci")
+    shutil.copytree(busybox_oci, moved, symlinks=True)
+    run("umoci", "config", "--image", f"{moved}:bb", "--config.env", "MOVED=1")
+    run("skopeo", "copy", "--dest-tls-verify=false", f"oci:{moved}:bb", f"docker://{ref}")
+    src = open_image_source(ref)
+    try:
+        assert src.config_digest != digests[0] and src.store.stats.requests == 2  # type: ignore[attr-defined]
+        assert "MOVED=1" in src.config["config"]["Env"]
+    finally:
+        src.close()
+
+
 def test_pull_rejects_bad_inputs(busybox_oci, weenv_home, tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(R.NotFoundError):
         R.pull(f"oci:{busybox_oci}:nope")

@@ -427,6 +427,7 @@ def create_app(backend: Backend | None = None, *, domain: str | None = None, hom
             state.tasks = None
             tg.cancel_scope.cancel()
         await state.backend.aclose()
+        await anyio.to_thread.run_sync(owners.flush)
 
     control = Starlette(routes=[Route("/metrics", _metrics, methods=["GET"]), *_keys.routes(), *_native.routes(),
                                 *_e2b_templates.routes(), *_e2b.routes()],

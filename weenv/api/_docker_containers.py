@@ -216,12 +216,14 @@ async def _collect(state: ApiState, c: Container, proc: Any) -> None:
         if proc.end is not None:
             code = proc.end.exit_code
     except (WeenvError, OSError) as e:
-        log.warning("docker: container %s: its command's stream failed: %s", c.id[:12], e)
+        removed = c.id not in docker_state(state).containers  # its env was killed under it: no surprise
+        (log.info if removed else log.warning)("docker: container %s: its command's stream failed: %s", c.id[:12], e)
     finally:
         with anyio.CancelScope(shield=True):
             c.finish(code)
             emit(state, c, "die", exitCode=str(code))
-            await _kill_the_rest(state, c)
+            if c.id in docker_state(state).containers:  # removed: its env is being killed, nothing to end
+                await _kill_the_rest(state, c)
             c.settled.set()
             if c.host_config.get("AutoRemove") and c.id in docker_state(state).containers:
                 await _remove(state, c)

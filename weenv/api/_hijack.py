@@ -39,6 +39,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ._common import log
+from ._peerread import until_peer_read
 
 __all__ = ["HijackH11Protocol", "HijackedResponse", "allow_hijack"]
 
@@ -99,9 +100,14 @@ class HijackH11Protocol(H11Protocol):
             return
         await super().handle(event)
 
+    _headers_read = False
+
     async def _send_h11_event(self, event: Any) -> None:
         if isinstance(self.connection, _Switched):
             if isinstance(event, h11.Data):
+                if not self._headers_read:  # the 101's headers off the socket before any output
+                    self._headers_read = True
+                    await until_peer_read(self.send)
                 await self.send(RawData(data=bytes(event.data)))
             elif isinstance(event, h11.EndOfMessage):
                 await self.send(Closed())  # the stream is over: so is the connection

@@ -24,6 +24,8 @@ import platform
 import re
 import tarfile
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -138,6 +140,35 @@ class _StoreStream(io.RawIOBase):
         return n
 
 
+CONFIG_CACHE_ENTRIES = 256
+CONFIG_CACHE_MAX_BLOB_BYTES = 1 << 20
+_configs: OrderedDict[tuple[str, str, str], bytes] = OrderedDict()
+_configs_lock = threading.Lock()
+
+
+def _config_blob(store: Store, ref: Ref, digest: str, size: int, where: str) -> bytes:
+    """An image's config blob, checked against its digest, and kept in this process (the last
+    :data:`CONFIG_CACHE_ENTRIES`, per registry, repository and digest) for the next source of that
+    image: the manifest is read afresh every time, so a tag that moved names another digest and is
+    read anew. Every Docker API create of an image opens two sources (serve's config read, the
+    daemon's ``lock_for_image``): one round trip each fewer."""
+    key = (ref.registry or "", ref.repo, digest)
+    with _configs_lock:
+        raw = _configs.get(key)
+        if raw is not None:
+            _configs.move_to_end(key)
+            return raw
+    raw = b"".join(store.iter_blob(ref.repo, digest, size))
+    if sha256_digest(raw) != digest:
+        raise IntegrityError(f"{where}: config blob does not match {digest}")
+    if len(raw) <= CONFIG_CACHE_MAX_BLOB_BYTES:
+        with _configs_lock:
+            _configs[key] = raw
+            while len(_configs) > CONFIG_CACHE_ENTRIES:
+                _configs.popitem(last=False)
+    return raw
+
+
 class StoreImageSource(ImageSource):
     def __init__(self, ref: Ref):
         self.ref = ref
@@ -155,9 +186,7 @@ class StoreImageSource(ImageSource):
         cfg = m.get("config") or {}
         self.config = {}
         if cfg.get("digest") and int(cfg.get("size", 0)) > 0:
-            raw = b"".join(self.store.iter_blob(ref.repo, cfg["digest"], int(cfg["size"])))
-            if sha256_digest(raw) != cfg["digest"]:
-                raise IntegrityError(f"{where}: config blob does not match {cfg['digest']}")
+            raw = _config_blob(self.store, ref, str(cfg["digest"]), int(cfg["size"]), where)
             self.config_digest = cfg["digest"]
             try:
                 self.config = json.loads(raw)
