@@ -259,3 +259,26 @@ def test_a_plan_text_seen_lately_is_not_parsed_again_and_a_bad_one_is_not_kept(m
     _routes._plan_text(big, None, "body")
     _routes._plan_text(big, None, "body")
     assert len(calls) == 5  # too big to keep
+
+
+def test_clients_on_the_daemon_socket_load_the_ca_bundle_once_per_process(monkeypatch) -> None:
+    """Every httpx client and transport loaded certifi's CAs for itself (~35-75 ms each), a
+    Unix-socket client too: weenv's clients and stores share one context (weenv/_tls.py)."""
+    import ssl
+
+    from weenv import _tls
+    from weenv._connection import AsyncConnection, Connection
+    from weenv.registry._remote import RemoteStore
+
+    loads = []
+    real = ssl.SSLContext.load_verify_locations
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", lambda self, *a, **kw: loads.append(a) or real(self, *a, **kw))
+    _tls.default_tls_context.cache_clear()
+    made = [Connection("/tmp/weenv-test-no.sock", autostart=False) for _ in range(3)]
+    made += [AsyncConnection("/tmp/weenv-test-no.sock", autostart=False) for _ in range(3)]
+    stores = [RemoteStore("127.0.0.1:5000") for _ in range(2)]
+    assert len(loads) == 1, loads
+    for c in made[:3]:
+        c.close()
+    for s in stores:
+        s.close()

@@ -33,6 +33,7 @@ import httpx
 
 from . import _home
 from . import _routes
+from ._tls import async_uds_transport, uds_transport
 
 __all__ = ["ApiError", "AsyncConnection", "Connection", "DaemonUnavailableError", "EnvNotFoundError",
            "WeenvError", "daemon_answers", "error_for", "is_url", "raise_for", "resolve_target", "start_daemon"]
@@ -190,7 +191,7 @@ class Connection(_Base):
                  autostart: bool = True, transport: httpx.BaseTransport | None = None):
         super().__init__(target, token, autostart)
         if transport is None and not self.remote:
-            transport = httpx.HTTPTransport(uds=self.target)
+            transport = uds_transport(self.target)
         self.http = httpx.Client(transport=transport, timeout=timeout_s, event_hooks={"request": [_check_path]},
                                  **_http_options(self.target, token))
 
@@ -246,7 +247,7 @@ class AsyncConnection(_Base):
                  headers: Mapping[str, str] | None = None):
         super().__init__(target, token, autostart)
         if transport is None and not self.remote:
-            transport = httpx.AsyncHTTPTransport(uds=self.target)
+            transport = async_uds_transport(self.target)
         options = _http_options(self.target, token)
         if headers:
             options["headers"] = {**options.get("headers", {}), **headers}

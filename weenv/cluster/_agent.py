@@ -34,6 +34,7 @@ import msgspec
 
 from .. import _home
 from .._atomic import atomic_writer
+from .._tls import uds_transport
 from ._errors import ClusterAuthError, ClusterError
 from ._report import Capacity, LayerHeld, NodeReport, capacity_from_top, envs_from, snapshots_from, volumes_from
 
@@ -86,7 +87,7 @@ class NodeAgent:
         # the node's TCP API when it serves one (weenv serve; $WEENV_NODE_API_URL), else its socket
         self.api_url = os.environ.get("WEENV_NODE_API_URL") or f"unix://{self.socket}"
         self.report_interval_s = report_interval_s
-        self._http = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), base_url="http://weenv",
+        self._http = httpx.Client(transport=uds_transport(self.socket), base_url="http://weenv",
                                   timeout=httpx.Timeout(30.0, connect=5.0))
         self._lock = threading.Lock()
         self._seen: OrderedDict[str, int] = OrderedDict()  # layers started here: digest -> size (LRU)

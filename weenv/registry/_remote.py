@@ -13,10 +13,8 @@ reads; httpx drops ``Authorization`` when the redirect leaves the registry's ori
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from urllib.parse import quote
 
 import httpx
 
+from .._tls import default_tls_context
 from ._auth import Authenticator, Credentials, Denied, FetchToken, UseHeader, load_credentials, scope_for
 from ._errors import (
     AuthError,
@@ -69,14 +68,6 @@ class _Transient(Exception):
     """A failure inside a response handler that deserves a retry (short body, reset mid-body)."""
 
 
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """httpx's default verification (certifi's CAs, no environment), made once per process and shared
-    by every store: loading the CA bundle costs ~35 ms of CPU, which each new :class:`RemoteStore`
-    paid (a create of an image's env opens two), for plain-HTTP registries too."""
-    return httpx.create_ssl_context(trust_env=False)
-
-
 def _quote_repo(repo: str) -> str:
     return quote(repo, safe="/")
 
@@ -112,7 +103,7 @@ class RemoteStore(Store):
         limits = httpx.Limits(max_connections=pool_connections, max_keepalive_connections=pool_connections,
                               keepalive_expiry=30.0)
         self._http = httpx.Client(http1=True, http2=False, limits=limits, transport=transport,
-                                  verify=_tls_context(),
+                                  verify=default_tls_context(),  # one per process (weenv/_tls.py)
                                   timeout=httpx.Timeout(self.policy.request_timeout_s, connect=self.policy.connect_timeout_s),
                                   headers={"User-Agent": "weenv"}, trust_env=False)
         self._oras: Any = None
