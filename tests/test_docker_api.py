@@ -519,12 +519,14 @@ def test_every_container_route_wants_a_key_and_reads_a_twice_encoded_id_as_refus
     ct = alice.containers.run(dk.image, "sleep 300", detach=True)
     eid = alice.api.exec_create(ct.id, "true")["Id"]
     routes = [("GET", "/_ping"), ("GET", "/version"), ("GET", "/containers/json"), ("GET", "/images/json"),
-              ("GET", "/events"), ("POST", "/containers/create")]
+              ("GET", "/events"), ("POST", "/containers/create"), ("POST", "/commit"), ("POST", "/build")]
     per_id = [("GET", "/containers/{}/json"), ("GET", "/containers/{}/logs"), ("POST", "/containers/{}/kill"),
               ("POST", "/containers/{}/stop"), ("POST", "/containers/{}/restart"), ("POST", "/containers/{}/pause"),
               ("POST", "/containers/{}/unpause"), ("GET", "/containers/{}/top"), ("GET", "/containers/{}/stats"),
               ("POST", "/containers/{}/rename"), ("GET", "/containers/{}/archive"), ("PUT", "/containers/{}/archive"),
-              ("POST", "/containers/{}/exec"), ("DELETE", "/containers/{}"), ("GET", "/exec/{}/json")]
+              ("POST", "/containers/{}/exec"), ("DELETE", "/containers/{}"), ("GET", "/exec/{}/json"),
+              ("POST", "/containers/{}/attach"), ("POST", "/containers/{}/resize"), ("GET", "/containers/{}/export"),
+              ("POST", "/exec/{}/start"), ("POST", "/exec/{}/resize")]
     with httpx.Client(timeout=30) as h:
         for method, path in [*routes, *((m, p.format(ct.id)) for m, p in per_id)]:
             for prefix in ("", f"/v{API}"):
