@@ -37,7 +37,7 @@ from ..layerfmt._build import build_tar_stream
 from ..layerfmt._errors import StreamOrderError
 from ._errors import ArtifactError, IntegrityError, NotFoundError, RefError, mapped_errors
 from ._group import GroupInfo, ImageConfig, open_store, resolve_group_in
-from ._image import DockerArchiveSource, ImageSource, LayerRef, open_image_source, squash
+from ._image import DockerArchiveSource, ImageSource, LayerRef, _HashingReader, open_image_source, squash
 from ._oci import ANN_IMAGE_CONFIG
 from ._publish import _tmp_dir, publish_layer_file
 from ._ref import parse_ref
@@ -94,28 +94,6 @@ def _lookup(store: Store, ref: str) -> GroupInfo | None:
         return None
 
 
-class _Blob(io.RawIOBase):
-    """The compressed blob as read: counted, hashed (its OCI digest) and reported to ``on_bytes``."""
-
-    def __init__(self, f: BinaryIO, on_bytes: Callable[[int], None] | None):
-        self._f, self._on = f, on_bytes
-        self.sha = hashlib.sha256()
-        self.count = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        data = self._f.read(len(b))
-        n = len(data)
-        b[:n] = data
-        self.sha.update(data)
-        self.count += n
-        if self._on and n:
-            self._on(n)
-        return n
-
-
 class _Gunzip:
     """gzip members one after another (zero padding between them allowed, as gzip(1) does), read in
     pieces of at most ``n`` bytes whatever the ratio (a GiB of zeros is a MiB of gzip). zlib's own
@@ -153,11 +131,11 @@ class _Gunzip:
 
 class _LayerStream(io.RawIOBase):
     """A layer blob read as its uncompressed tar stream, in one pass: the blob's bytes go into its
-    sha256 (:class:`_Blob`), are decompressed by their first bytes (gzip, zstd frames, or a plain tar
+    sha256 (:class:`~._image._HashingReader`), are decompressed by their first bytes (gzip, zstd frames, or a plain tar
     as it is) in pieces of at most ``piece`` bytes, and the result goes into the diff id's sha256."""
 
     def __init__(self, f: BinaryIO, on_blob: Callable[[int], None] | None, *, piece: int = 1 << 20):
-        self.blob = _Blob(f, on_blob)
+        self.blob = _HashingReader(f, on_blob)
         self.tar_sha = hashlib.sha256()
         self._piece = piece
         src = io.BufferedReader(self.blob, piece)
@@ -254,7 +232,7 @@ def _convert_pass(src: ImageSource, i: int, layer: LayerRef, where: str, store: 
                 tar.finish()
             except (EOFError, zlib.error, zstandard.ZstdError) as e:
                 raise ArtifactError(f"{where} does not decompress: {e}") from None
-        blob_digest = "sha256:" + tar.blob.sha.hexdigest()
+        blob_digest = "sha256:" + tar.blob.hash.hexdigest()
         if not isinstance(src, DockerArchiveSource) and blob_digest != layer.digest:
             raise IntegrityError(f"{where} hashes to {blob_digest}, the manifest says {layer.digest}")
         diff_id = "sha256:" + tar.tar_sha.hexdigest()
