@@ -131,13 +131,13 @@ def _exec_stdin(client, image: str) -> dict:  # type: ignore[no-untyped-def]
 
 def test_exec_stdin_as_dockerd_answers(alice, dk: DockerServed, real) -> None:  # type: ignore[no-untyped-def]
     mine, theirs = _exec_stdin(alice, dk.image), _exec_stdin(real, dk.image)
-    for got in (mine, theirs):
-        assert got["cat"] == ({1: b"hello\n"}, 0, True)
-        assert got["big"] == {1: got["big_want"]}
-        assert got["no_stdin"] == ({1: b"end\n"}, False)
-        assert got["tty"] == (b"hello\r\nhello\r\n", 0)
-        assert got["tty_shut"] is True  # cat still runs, as dockerd leaves it
-        assert got["exec_run"] == {1: b"via exec_run\n"}
+    for who, got in (("weenv", mine), ("dockerd", theirs)):
+        assert got["cat"] == ({1: b"hello\n"}, 0, True), who
+        assert got["big"] == {1: got["big_want"]}, who
+        assert got["no_stdin"] == ({1: b"end\n"}, False), who
+        assert got["tty"] == (b"hello\r\nhello\r\n", 0), who
+        assert got["tty_shut"] is True, who  # cat still runs, as dockerd leaves it
+        assert got["exec_run"] == {1: b"via exec_run\n"}, who
 
 
 def _resizes(client, image: str) -> dict:  # type: ignore[no-untyped-def]

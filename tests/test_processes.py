@@ -127,6 +127,17 @@ def test_a_pty_is_a_terminal_and_can_be_resized(daemon):  # noqa: F811
         plain.kill()
 
 
+
+def test_a_pty_command_that_closes_its_terminal_before_exiting_is_not_hung_up(daemon):  # noqa: F811
+    """Closing a pty's master hangs the terminal up (SIGHUP to its session): the agent keeps it
+    open until the command is reaped, so a command that closes fds 0-2 and then goes on (coreutils
+    does at exit; this one waits a while) ends with its own exit code, not 129."""
+    with daemon.client() as c, c.create(daemon.plan_lock) as env:
+        proc = env.spawn(["sh", "-c", "echo closing; exec 0<&- 1>&- 2>&-; sleep 0.5; exit 3"], pty=(24, 80))
+        out, end, _ = _output(proc.events())
+        assert b"closing" in out
+        assert end is not None and (end.exit_code, end.signal) == (3, None), end
+
 def test_output_kept_while_nobody_reads_is_bounded(daemon):  # noqa: F811
     with daemon.client() as c, c.create(daemon.plan_lock) as env:
         # it writes once its starter has detached, so every byte is either kept or counted as dropped

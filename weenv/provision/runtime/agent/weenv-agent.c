@@ -115,6 +115,7 @@ struct proc {
     pid_t pid;
     int in_fd, out_fd, err_fd; /* on a pty out_fd is the master and in_fd a duplicate of it */
     int pty, background, has_stdin;
+    int pty_hup; /* the terminal's last fd closed: the master is kept (not polled) until the command is reaped */
     int exited;      /* reaped */
     int ended;       /* output drained, 'X' sent: only the record is left */
     int status;
@@ -738,8 +739,15 @@ static void pump_output(int pi, int *fd, char type) {
     if (n > 0) {
         deliver(pi, type, buf, (uint32_t)n);
     } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) { /* a pty master says EIO once the terminal is closed */
+        if (procs[pi].pty && fd == &procs[pi].out_fd) {
+            /* closing the master hangs the terminal up, and the kernel sends SIGHUP to its session:
+             * a command that closed its fds 0-2 (coreutils does at exit) but has not exited yet
+             * would die of it. The master closes once the command is reaped. */
+            procs[pi].pty_hup = 1;
+            close_fd(&procs[pi].in_fd); /* a duplicate: the master stays open */
+            return;
+        }
         close_fd(fd);
-        if (procs[pi].pty) close_fd(&procs[pi].in_fd);
     }
 }
 
@@ -876,7 +884,8 @@ int main(int argc, char **argv) {
         for (int i = 0; i < MAX_PROCS; i++) {
             struct proc *p = &procs[i];
             if (!p->used || p->ended) continue;
-            if (p->exited && ((p->out_fd < 0 && p->err_fd < 0) || now - p->exited_at >= DRAIN_GRACE_NS)) {
+            int out_open = p->out_fd >= 0 && !p->pty_hup;
+            if (p->exited && ((!out_open && p->err_fd < 0) || now - p->exited_at >= DRAIN_GRACE_NS)) {
                 end_proc(i);
                 continue;
             }
@@ -884,7 +893,7 @@ int main(int argc, char **argv) {
                 long long left = DRAIN_GRACE_NS - (now - p->exited_at);
                 if (timeout_ns < 0 || left < timeout_ns) timeout_ns = left;
             }
-            if (p->out_fd >= 0) pfds[n] = (struct pollfd){.fd = p->out_fd, .events = POLLIN}, owners[n] = i, kinds[n++] = K_OUT;
+            if (out_open) pfds[n] = (struct pollfd){.fd = p->out_fd, .events = POLLIN}, owners[n] = i, kinds[n++] = K_OUT;
             if (p->err_fd >= 0) pfds[n] = (struct pollfd){.fd = p->err_fd, .events = POLLIN}, owners[n] = i, kinds[n++] = K_ERR;
             if (p->in_fd >= 0 && p->pending_len > 0)
                 pfds[n] = (struct pollfd){.fd = p->in_fd, .events = POLLOUT}, owners[n] = i, kinds[n++] = K_IN;
