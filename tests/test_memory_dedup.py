@@ -19,7 +19,7 @@ import pytest
 
 from weenv import layerfmt
 from weenv.provision.envs import _memchunks
-from weenv.provision.envs._memory import MemoryImageError, MemoryImages
+from weenv.provision.envs._memimages import MemoryImageError, MemoryImages
 from weenv.registry import LayoutStore
 
 

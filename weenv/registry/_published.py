@@ -4,7 +4,7 @@
 A published snapshot is tagged ``REF`` (``host[:port]/repo:tag``): each of its layers is a
 ``task`` group ``REF-<i>``, and ``REF`` itself names its top layer with the plan lock that
 starts it on any node (:data:`ANN_SNAPSHOT_LOCK`: the source's groups plus those layers). A
-memory snapshot's packs (weenv layers of deduplicated chunks, weenv/provision/envs/_memory.py)
+memory snapshot's packs (weenv layers of deduplicated chunks, weenv/provision/envs/_memimages.py)
 are pushed the same way, as ``task`` groups ``REF-m<i>``, blob for blob (their digests do not
 change), and :data:`ANN_SNAPSHOT_MEMORY` on ``REF`` holds its memory image (the snapshot's
 ``memory`` as JSON). Pushes skip blobs the repository has: a pack shared by several published

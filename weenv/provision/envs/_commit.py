@@ -66,7 +66,7 @@ class Snapshotter:
         self._kill = kill
         self._store: LayoutStore | None = None  # opened at first use: $WEENV_HOME is read then
         self.forking: set[str] = set()  # fork snapshots whose children are being started (gc keeps them)
-        self.memory_images: Any = None  # :class:`._memory.MemoryImages`: a memory snapshot's image goes with it
+        self.memory_images: Any = None  # :class:`._memimages.MemoryImages`: a memory snapshot's image goes with it
 
     def layout(self) -> LayoutStore:
         """The embedded store the snapshot layers go to."""

@@ -9,6 +9,7 @@ constructor:
 - :mod:`._pool` (:class:`WarmPool`): envs started ahead of time, per lock;
 - :mod:`._ttl` (:class:`Ttls`): TTL deadlines and expiry;
 - :mod:`._commit` (:class:`Snapshotter`): commit, fork, snapshot removal;
+- :mod:`._processes` (:class:`EnvProcesses`, a base of the manager): exec and process handles;
 - :mod:`._volumes` (:class:`VolumeStore`): volumes, mounted into envs; :mod:`._gc`: the sweeps of gc;
   :mod:`._files`, :mod:`._ports`: file access and port connections.
 
@@ -30,24 +31,24 @@ from typing import Any
 import msgspec
 import trio
 
-from ..._wire import ProcessEnd, ProcessInfo
 from ...envlet import EnvletClient, EnvletError
 from ...plan import Lock, Plan, PlanValidationError, apply_overrides, is_locked, plan_to_builtins
 from ...plan._model import network_policy
 from ...plan._validate import gvisor_disk_problem
 from .._errors import (AdmissionError, CgroupError, ContainerNotFoundError, EnvNotFoundError, EnvStartError,
-                       EnvStateError, ProcessNotFoundError, ProvisionError)
+                       EnvStateError, ProvisionError)
 from ..cgroups import Cgroup, CgroupBackend
 from ..elastic._monitor import Monitor
 from ..runtime._idmap import IdMap
-from ..runtime._ocispec import User
-from ..runtime._seam import ExecResult, ProcessStream, Runtime
+from ..runtime._seam import Runtime
 from . import _gc, _ports, _state
 from ._commit import Snapshotter
-from ._memory import MemoryImages, MemorySnapshotter
+from ._memimages import MemoryImages
+from ._memory import MemorySnapshotter
 from ._parking import Parking, check_park_after
-from ._fileops import file_op, resolve_user
+from ._fileops import file_op
 from ._pool import WarmPool
+from ._processes import EnvProcesses
 from ._setup import EnvSetup
 from ._published import pull_memory, read_published
 from ._snapshots import SnapshotLayer, SnapshotRecord, SnapshotStore, SnapshotTrees, new_snapshot_id
@@ -59,10 +60,7 @@ from ._volumes import VolumeError, VolumeStore
 
 log = logging.getLogger("weenv.daemon")
 
-OutputCallback = Callable[[str, bytes], Awaitable[None] | None]
-
-
-class EnvManager:
+class EnvManager(EnvProcesses):
     """All envs of this node. Methods are trio-async; blocking work runs in worker threads."""
 
     def __init__(self, *, envs_dir: str, runtime: Runtime, backend: CgroupBackend, monitor: Monitor,
@@ -322,76 +320,6 @@ class EnvManager:
         log.info("env %s killed", env_id)
 
     # ------------------------------------------------------------------ operations
-
-    def _running(self, env_id: str) -> EnvRecord:
-        rec = self.get(env_id)
-        if rec.status == "paused":
-            raise EnvStateError("is paused (resume it first)", env_id=env_id)
-        if rec.status != "running":
-            raise EnvStateError(f"is {rec.status}", env_id=env_id)
-        return rec
-
-    async def _exec_target(self, env_id: str, argv: Sequence[str],
-                           user: str | None) -> tuple[User | None, Sequence[str]]:
-        """What exec and start_process check and resolve first: the env runs, a command, the user, the
-        cgroup files the process joins."""
-        self._running(env_id)
-        if not argv:
-            raise EnvStateError("empty command", env_id=env_id)
-        who: User | None = None
-        if user is not None:
-            who = await trio.to_thread.run_sync(resolve_user, self.rootfs(env_id), user)
-        cg = self.cgroups.get(env_id)
-        return who, (cg.procs_paths() if cg is not None else ())
-
-    async def exec(self, env_id: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-                   cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
-                   timeout_s: float | None = None, on_output: OutputCallback | None = None) -> ExecResult:
-        who, procs = await self._exec_target(env_id, argv, user)
-        return await self.runtime.exec(env_id, argv, env=env, cwd=cwd, user=who, stdin=stdin, timeout_s=timeout_s,
-                                       cgroup_procs=procs, on_output=on_output)
-
-    # -- process handles (docs/architecture.md, "Processes"): the env's agent keeps the table,
-    # so they outlive the client that started them and this daemon
-
-    async def start_process(self, env_id: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-                            cwd: str | None = None, user: str | None = None, stdin: bool = False,
-                            pty: tuple[int, int] | None = None, tag: str | None = None,
-                            buffer_bytes: int | None = None) -> ProcessStream:
-        who, procs = await self._exec_target(env_id, argv, user)
-        return await self.runtime.start_process(env_id, argv, env=env, cwd=cwd, user=who, stdin=stdin, pty=pty,
-                                                tag=tag, buffer_bytes=buffer_bytes,
-                                                cgroup_procs=procs)
-
-    async def connect_process(self, env_id: str, pid: int) -> ProcessStream:
-        self._running(env_id)
-        return await self.runtime.connect_process(env_id, pid)
-
-    async def processes(self, env_id: str) -> list[ProcessInfo]:
-        self._running(env_id)
-        return await self.runtime.list_processes(env_id)
-
-    async def process(self, env_id: str, pid: int) -> ProcessInfo:
-        for info in await self.processes(env_id):
-            if info.pid == pid:
-                return info
-        raise ProcessNotFoundError(f"no process {pid} started by weenv", env_id=env_id)
-
-    async def send_stdin(self, env_id: str, pid: int, data: bytes, *, close: bool = False) -> None:
-        self._running(env_id)
-        await self.runtime.send_stdin(env_id, pid, data, close=close)
-
-    async def signal_process(self, env_id: str, pid: int, sig: int) -> None:
-        self._running(env_id)
-        await self.runtime.signal_process(env_id, pid, sig)
-
-    async def resize_process(self, env_id: str, pid: int, rows: int, cols: int) -> None:
-        self._running(env_id)
-        await self.runtime.resize_process(env_id, pid, rows, cols)
-
-    async def wait_process(self, env_id: str, pid: int, timeout_s: float | None = None) -> ProcessEnd | None:
-        self._running(env_id)
-        return await self.runtime.wait_process(env_id, pid, timeout_s)
 
     async def open_port(self, env_id: str, port: int) -> socket.socket:
         """A TCP connection to ``port`` on the env's own loopback (``weenv serve``'s port proxy,
