@@ -66,24 +66,34 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-def dk(weenv_daemon: DaemonHandle, docker_corpus: Corpus, registry) -> Iterator[DockerServed]:  # type: ignore[no-untyped-def]
+@contextmanager
+def serve_docker(daemon: DaemonHandle, corpus: Corpus, registry, prefix: str,  # type: ignore[no-untyped-def]
+                 env: dict[str, str] | None = None) -> Iterator[DockerServed]:
+    """``weenv serve --docker`` on a socket of its own before ``daemon``: keys dk-alice and dk-bob
+    (tenants) and root (admin), made anew; ``env``: the serve process's extra environment."""
     from weenv.api import KeyStore
 
-    store = KeyStore(os.path.join(weenv_daemon.home, "api"))
+    store = KeyStore(os.path.join(daemon.home, "api"))
     keys = {}
     for name, admin in (("dk-alice", False), ("dk-bob", False), ("root", True)):
         if any(k.name == name for k in store.list()):
             store.revoke(name, envs="keep")
         keys[name] = store.create(name, admin=admin)
-    work = tempfile.mkdtemp(prefix="weenv-docker-api-")
+    work = tempfile.mkdtemp(prefix=prefix)
     sock = os.path.join(work, "run", "docker.sock")
-    served = start_serve(weenv_daemon, keys, args=["--docker", f"unix://{sock}", "--registry", registry.host])
+    served = start_serve(daemon, keys, args=["--docker", f"unix://{sock}", "--registry", registry.host],
+                         env=env)
     try:
-        yield DockerServed(served, sock, docker_corpus.tasks[0].ref, os.path.join(work, "config"))
+        yield DockerServed(served, sock, corpus.tasks[0].ref, os.path.join(work, "config"))
     finally:
         stop_serve(served)
-        assert not os.path.exists(sock), "the Docker socket outlived weenv serve"
+    assert not os.path.exists(sock), "the Docker socket outlived weenv serve"
+
+
+@pytest.fixture(scope="module")
+def dk(weenv_daemon: DaemonHandle, docker_corpus: Corpus, registry) -> Iterator[DockerServed]:  # type: ignore[no-untyped-def]
+    with serve_docker(weenv_daemon, docker_corpus, registry, "weenv-docker-api-") as served:
+        yield served
 
 
 @pytest.fixture

@@ -18,9 +18,8 @@ import pytest
 
 from weenv.testing import DaemonHandle
 
-from .fixtures_api import start_serve, stop_serve
 from .fixtures_docker import INIT_LAYER_PATHS, Corpus
-from .test_docker_api import IMAGE_CONFIG_KEYS, LABEL, DockerServed, real  # noqa: F401 - a fixture
+from .test_docker_api import IMAGE_CONFIG_KEYS, LABEL, DockerServed, real, serve_docker  # noqa: F401 - a fixture
 
 docker = pytest.importorskip("docker")
 
@@ -31,22 +30,9 @@ CONTEXT_LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def dk(weenv_daemon: DaemonHandle, docker_corpus: Corpus, registry) -> Iterator[DockerServed]:  # type: ignore[no-untyped-def]
-    from weenv.api import KeyStore
-
-    store = KeyStore(os.path.join(weenv_daemon.home, "api"))
-    keys = {}
-    for name, admin in (("dk-alice", False), ("dk-bob", False), ("root", True)):
-        if any(k.name == name for k in store.list()):
-            store.revoke(name, envs="keep")
-        keys[name] = store.create(name, admin=admin)
-    work = tempfile.mkdtemp(prefix="weenv-docker-images2-")
-    sock = os.path.join(work, "run", "docker.sock")
-    served = start_serve(weenv_daemon, keys, args=["--docker", f"unix://{sock}", "--registry", registry.host],
-                         env={"WEENV_DOCKER_BUILD_CONTEXT_BYTES": str(CONTEXT_LIMIT)})
-    try:
-        yield DockerServed(served, sock, docker_corpus.tasks[0].ref, os.path.join(work, "config"))
-    finally:
-        stop_serve(served)
+    with serve_docker(weenv_daemon, docker_corpus, registry, "weenv-docker-images2-",
+                      env={"WEENV_DOCKER_BUILD_CONTEXT_BYTES": str(CONTEXT_LIMIT)}) as served:
+        yield served
 
 
 @pytest.fixture
