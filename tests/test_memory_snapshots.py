@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
 import time
 
 import pytest
@@ -142,6 +143,47 @@ def test_park_frees_the_memory_and_resume_brings_the_processes_back(daemon, tmp_
         time.sleep(0.3)
         assert read_counter(env, pid) > after  # and it keeps counting
         assert not os.path.exists(os.path.join(daemon.home, "envs", env.id, "memory"))  # the image is done with
+
+
+def test_a_park_checkpoints_the_env_unthrottled(daemon, tmp_path, gvisor_platform):
+    """The monitor halves an idle env's CPU (a quiet gVisor sandbox uses ~0.15 cores: 1 -> 0.5
+    cores after 2 s, down to its min); runsc's checkpoint runs in the env's cgroup, and under that
+    quota the first park after 5 s of quiet took 1.2 s instead of 0.48. A park lifts the quota
+    while the sandbox is checkpointed: seen from the host as it runs."""
+    lock = _gvisor_lock(daemon, tmp_path)
+    with daemon.client() as c, c.create(lock, ttl_s=600) as env:
+        start_counter(env)
+        fill_shm(env, 16)
+        quota = glob.glob(f"/sys/fs/cgroup/cpu*/**/{env.id}/cpu.cfs_quota_us", recursive=True)
+        if not quota:
+            pytest.skip("no cgroup v1 cpu controller here (cpu.cfs_quota_us): the v2 contract is cpu.max")
+        burst = os.path.join(os.path.dirname(quota[0]), "cpu.cfs_burst_us")
+        if os.path.exists(burst):  # a burst above the quota is refused (EINVAL)
+            with open(burst, "w") as f:
+                f.write("0")
+        with open(quota[0], "w") as f:
+            f.write("5000")  # 0.05 cores: what the monitor leaves an env idle for long enough
+        seen: list[tuple[str, bool]] = []
+        done = threading.Event()
+
+        procs = os.path.join(os.path.dirname(quota[0]), "cgroup.procs")
+
+        def watch() -> None:
+            while not done.is_set():
+                with open(quota[0]) as f, open(procs) as g:
+                    seen.append((f.read().strip(), bool(g.read().split())))
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            env.pause(memory="park")
+        finally:
+            done.set()
+            watcher.join()
+        running = [q for q, busy in seen if busy]
+        assert running and running[-1] == "-1", seen[-20:]  # the sandbox's last moments: unthrottled
+        env.resume()
 
 
 def test_park_of_a_frozen_env_and_resume_again(daemon, tmp_path, gvisor_platform):
