@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import stat
 import tarfile
 import tempfile
@@ -88,6 +89,7 @@ def serve_docker(daemon: DaemonHandle, corpus: Corpus, registry, prefix: str,  #
     finally:
         stop_serve(served)
     assert not os.path.exists(sock), "the Docker socket outlived weenv serve"
+    shutil.rmtree(work, ignore_errors=True)  # the clients' config files
 
 
 @pytest.fixture(scope="module")

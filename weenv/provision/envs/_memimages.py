@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-
 from ... import layerfmt
 from ...layerfmt._source import SpoolOpener
 from ...registry import LayoutStore
