@@ -1248,6 +1248,162 @@ def test_an_e2b_fork_through_the_gateway_spreads_when_the_sandboxs_node_is_full(
         sbx.kill()
 
 
+def _gvisor_lock(rw, work: Path, cpu_min: float) -> dict:
+    """A gVisor lock of the cluster's busybox group (any node reads it), guaranteeing ``cpu_min`` cores."""
+    from weenv.plan import load_plan, lock_plan, plan_to_builtins
+    from weenv.registry import resolve_group
+
+    plan = work / "gv.toml"
+    plan.write_text(f'name = "gv"\nruntime = "gvisor"\n\n[[groups]]\nname = "os"\nref = "{rw.registry_host}/ct/os:test"\n'
+                    f'class = "os"\n\n[resources]\npids = 256\ndisk = "64MiB"\n\n[resources.cpu]\nmin = {cpu_min}\n'
+                    'max = 1.0\n\n[resources.memory]\nmin = "64MiB"\nmax = "512MiB"\n')
+    return plan_to_builtins(lock_plan(load_plan(str(plan)), resolve_group))
+
+
+def _listed_on(rw, env_id: str) -> list[str]:
+    """The nodes whose daemon (asked directly, with the cluster token) lists env ``env_id``."""
+    import weenv
+
+    out = []
+    for name in rw.node_names():
+        with weenv.Client(rw.cluster.report(name).node_api, token=TOKEN) as c:
+            if any(e.id == env_id for e in c.list()):
+                out.append(name)
+    return out
+
+
+def test_a_parked_env_whose_node_filled_up_resumes_on_another_node_with_its_processes(rw, gw, tmp_path):
+    """Issue 31: a parked gVisor env (its memory on disk, its room given back) whose node took other
+    envs meanwhile resumes through the gateway on a node that has room: same id, its counter process
+    with the same pid and a count that went on from where it was parked, its files, its owner and
+    its TTL; no copy left on the old node, no snapshot left on any node or in the store."""
+    import httpx
+
+    import weenv
+    from tests.fixtures_runtime import runsc_skip_reason
+    from tests.test_memory_snapshots import pids, read_counter, start_counter
+    from weenv.registry import open_store
+
+    reason = runsc_skip_reason()
+    if reason:
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    # an env id is the node's to give: no client sets one, an admin's key neither
+    r = httpx.post(gw.url + "/v1/envs", json={"plan": rw.plan_bb, "env_id": "n0-bb-00000000"},
+                   headers={"Authorization": f"Bearer {gw.keys['root']}"}, timeout=30)
+    assert r.status_code == 400 and "$.env_id" in r.text, r.text
+    client, root = gw.client(), gw.client("root")
+    env = client.create(_gvisor_lock(rw, tmp_path, 0.9))
+    fillers = []
+    try:
+        (home,) = _listed_on(rw, env.id)
+        env.exec("echo parked-state > /root/state")
+        pid = start_counter(env)
+        time.sleep(0.3)
+        before = read_counter(env, pid)
+        env.set_timeout(900)
+        expires = client.get(env.id).info.expires_s
+        env.pause(memory="park")
+        assert client.get(env.id).info.parked
+        # a node's daemon refuses an id it has (only the gateway's moves give one)
+        with pytest.raises(Exception, match="already"):
+            rw.cluster.node(home).call("POST", "/v1/envs", json={"plan": rw.plan_bb, "env_id": env.id})
+        for _ in range(3):  # its node takes 0.9-core envs until it has no room for the parked one
+            try:
+                fillers.append(rw.cluster.create(rw.plan_bb, node=home, overrides={"cpu": "0.9-1"}))
+            except Exception as e:  # refused: full
+                print(f"node {home} full after {len(fillers)} fillers: {e}")
+                break
+        assert fillers, f"node {home} took no 0.9-core env after the parked one gave its room back"
+        snaps = {s["id"] for s in root.snapshots()}
+        with open_store(rw.registry_host) as store:
+            published = store.list_tags("ct/snaps")
+        t0 = time.monotonic()
+        env.resume()
+        print(f"resume of {env.id} on another node: {(time.monotonic() - t0) * 1000:.0f} ms;",
+              *[ln for ln in gw.log().splitlines() if f"env {env.id} moved" in ln][-1:])
+        where = _listed_on(rw, env.id)
+        assert len(where) == 1 and where[0] != home, (home, where)
+        moved = client.get(env.id)  # the gateway routes it to its new node; alice still owns it
+        print("restore steps on the new node (ms):", moved.info.timings_ms)
+        assert moved.info.status == "running" and not moved.info.parked
+        assert abs(moved.info.expires_s - expires) < 30, (moved.info.expires_s, expires)
+        assert pid in pids(moved)
+        assert read_counter(moved, pid) > before  # counted on from where it was parked
+        assert moved.exec("cat /root/state").stdout == b"parked-state\n"
+        assert moved.exec("hostname").stdout.strip().decode() == env.id
+        assert [e.id for e in client.list()].count(env.id) == 1
+        assert {s["id"] for s in root.snapshots()} == snaps  # the move's snapshots went
+        with open_store(rw.registry_host) as store:
+            assert store.list_tags("ct/snaps") == published  # and its published copy
+        # parked again on the new node, it resumes there (it has room)
+        moved.pause(memory="park")
+        t0 = time.monotonic()
+        moved.resume()
+        print(f"resume of {env.id} parked on its new node: {(time.monotonic() - t0) * 1000:.0f} ms")
+        assert _listed_on(rw, env.id) == where and pid in pids(moved)
+    finally:
+        for f in fillers:
+            f.kill()
+        try:
+            env.kill()
+        except weenv.ApiError:
+            pass
+    assert not _listed_on(rw, env.id)
+
+
+def test_an_e2b_connect_resumes_a_parked_sandbox_on_another_node_when_its_node_is_full(rw, gw, tmp_path, monkeypatch):
+    """Issue 31 through the unmodified SDK: ``pause()`` parks a gVisor sandbox, its node fills up,
+    ``Sandbox.connect`` resumes it elsewhere: same sandbox id, a background process's pid and
+    its file, reached through the gateway at its new node. (Commands go through weenv's API as the
+    same key: the SDK's commands need process handles, which gVisor envs do not have.)"""
+    import json
+
+    from tests.test_memory_snapshots import pids, start_counter
+
+    e2b = pytest.importorskip("e2b")
+    from tests.fixtures_runtime import runsc_skip_reason
+    from weenv.api import TemplateStore
+
+    reason = runsc_skip_reason()
+    if reason:
+        print(f"SKIP: {reason}")
+        pytest.skip(reason)
+    lock = gw.home / "gv-big.lock.json"
+    lock.write_text(json.dumps(_gvisor_lock(rw, tmp_path, 0.9)))
+    TemplateStore(str(gw.home / "api")).set("gv-big", str(lock))
+    _e2b_through(gw, monkeypatch)
+    sbx = e2b.Sandbox.create("gv-big", timeout=300)
+    fillers = []
+    try:
+        (home,) = _listed_on(rw, sbx.sandbox_id)
+        sbx.files.write("/root/state", "e2b-parked\n")
+        client = gw.client()
+        pid = start_counter(client.get(sbx.sandbox_id))
+        sbx.pause()
+        assert e2b.Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        for _ in range(3):
+            try:
+                fillers.append(rw.cluster.create(rw.plan_bb, node=home, overrides={"cpu": "0.9-1"}))
+            except Exception:
+                break
+        assert fillers, f"node {home} took no 0.9-core env after the parked sandbox gave its room back"
+        t0 = time.monotonic()
+        again = e2b.Sandbox.connect(sbx.sandbox_id, timeout=300)
+        print(f"E2B connect of {sbx.sandbox_id} on another node: {(time.monotonic() - t0) * 1000:.0f} ms")
+        where = _listed_on(rw, sbx.sandbox_id)
+        assert len(where) == 1 and where[0] != home, (home, where)
+        assert again.sandbox_id == sbx.sandbox_id
+        assert again.files.read("/root/state") == "e2b-parked\n"
+        moved = client.get(sbx.sandbox_id)
+        assert pid in pids(moved)
+        assert moved.exec("hostname").stdout.strip().decode() == sbx.sandbox_id
+    finally:
+        for f in fillers:
+            f.kill()
+        sbx.kill()
+
+
 def test_a_killed_node_agent_loses_its_envs_and_creates_avoid_it(rw, gw):
     import weenv
     from weenv.cluster import EnvLostError, NodeState, node_of

@@ -35,6 +35,7 @@ MAX_FORK = 1024
 MAX_PTY_SIDE = 65535
 MAX_PROCESS_BUFFER_BYTES = 16 << 20  # what weenv-agent keeps at most (its MAX_BUFFER)
 MAX_STDIN_CHUNK_BYTES = 512 << 10  # base64 of it stays under MAX_JSON_BODY_BYTES
+ENV_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"  # what envs/_state.new_env_id makes (a hostname, a path part)
 
 T = TypeVar("T")
 
@@ -196,6 +197,10 @@ class CreateRequest(RequestBody):
     open the node, loopback, link-local, the egress range or the node's addresses, and DNS answers
     in them are dropped; ``network = "host"`` is refused. Its forks are restricted too
     (docs/network.md, "Tenant envs")."""
+    env_id: Annotated[str, Meta(pattern=ENV_ID_PATTERN, max_length=63)] | None = None
+    """The new env's id instead of a fresh one: set by the cluster gateway only, when it moves a
+    parked env to another node (its id, owners and tokens stay); ``weenv serve`` refuses it. An id
+    this node has already is a 409."""
 
     def __post_init__(self) -> None:
         given = [f for f in ("plan", "plan_text", "snapshot", "image") if getattr(self, f) is not None]
@@ -364,6 +369,7 @@ class EnvInfo(ResponseBody):
     workdir: str | None = None
     volumes: list[str] = []  # the ids of the volumes it mounts
     parked: bool = False  # paused with its memory on disk (pause memory=park): resume restores it
+    cold: bool = False  # paused without processes in RAM (parked, or memory=false): resume admits it again
     park_at_s: float | None = None  # frozen: when the daemon parks it (pause park_after_s, daemon --park-after)
     not_parked_because: str = ""  # a pause asked to be parked later, and why it will not be (crun; a failed park)
     access_token: str | None = None  # ``weenv serve`` only, to the env's owner: its access token (envd; its ports)

@@ -60,6 +60,12 @@ class Backend(abc.ABC):
     async def kill(self, env_id: str) -> wire.EnvStatus:
         return await self.for_env(env_id).kill(env_id)
 
+    async def resume(self, env_id: str) -> wire.EnvStatus:
+        """Resume paused env ``env_id`` where it is (the cluster may move a parked env that its node
+        has no room for to a node that has: :meth:`weenv.cluster.ClusterBackend.resume`)."""
+        await self.for_env(env_id).env(env_id).resume()
+        return wire.EnvStatus(id=env_id, status="running")
+
     async def delete_snapshot(self, snap_id: str) -> None:
         await (await self.for_snapshot(snap_id)).delete_snapshot(snap_id)
 

@@ -238,7 +238,7 @@ async def wake(state: ApiState, env_id: str) -> None:
         return
     try:
         async with daemon_errors():
-            await _env(state, env_id).resume()
+            await state.backend.resume(env_id)
     except HttpError as e:
         if e.status != 409:  # 409: resumed meanwhile (another request woke it)
             raise
@@ -287,7 +287,7 @@ async def connect(request: Request) -> Response:
         async with daemon_errors():
             if body.memory is False:  # E2B's on_resume="reboot": a new boot from its files
                 await _env(state, env_id).pause(memory=False)
-            await _env(state, env_id).resume()
+            await state.backend.resume(env_id)
         state.owners.update_env(env_id, paused=False)
     if timeout_s is not None and (resumed or _ends_before(rec, info, timeout_s)):
         await _set_ttl(state, env_id, timeout_s)  # as E2B: connect extends a sandbox's time, never shortens it

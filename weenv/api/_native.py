@@ -134,7 +134,7 @@ async def _relay_then(resp: Any, then: Any) -> Any:
 
 
 _TYPED = {"env_create": 201, "env_list": 200, "env_show": 200, "snapshot_list": 200, "env_commit": 201,
-          "env_fork": 201, "env_kill": 200, "snapshot_delete": 200, "volume_create": 201, "volume_list": 200,
+          "env_fork": 201, "env_kill": 200, "env_resume": 200, "snapshot_delete": 200, "volume_create": 201, "volume_list": 200,
           "volume_delete": 200}
 """Routes the API calls through the backend's typed calls (it reads their answers to record or
 filter them, and the backend places, spreads or refreshes); the rest are relayed as they stream."""
@@ -177,6 +177,9 @@ async def _typed(state: ApiState, key: ApiKey, name: str, params: dict[str, str]
             elif name == "env_kill":
                 _request_body(wire.Empty, body)
                 answer = await backend.kill(params["id"])
+            elif name == "env_resume":
+                _request_body(wire.Empty, body)
+                answer = await backend.resume(params["id"])
             elif name == "volume_create":
                 from .. import _wire_volumes as vw
 

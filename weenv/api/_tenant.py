@@ -114,6 +114,9 @@ def create_body(state: ApiState, key: ApiKey, body: bytes) -> tuple[dict[str, An
     public = req.pop("public_traffic", False)
     if not isinstance(public, bool):
         raise HttpError(400, "bad_request", "request body $.public_traffic: expected true or false")
+    if "env_id" in req:  # the gateway's own, when it moves a parked env: never a client's, admin or not
+        raise HttpError(400, "bad_request", "request body $.env_id: an env's id is the node's to give (the "
+                                            "cluster gateway keeps an env's id when it moves it); leave it out")
     if not key.admin:
         _refuse_node_access(req)  # first: a tenant learns nothing more of a plan it may not run
     plan = plan_of(req)

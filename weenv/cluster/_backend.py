@@ -13,6 +13,8 @@ cluster token, as an ordinary :class:`weenv.AsyncClient`:
   snapshot's published lock instead of its id;
 - a fork goes to the env's node; when it refuses for its room, the children are spread as
   :meth:`Cluster.fork_group` spreads them, all or none;
+- a resume goes to the env's node; a parked env its node has no room for any more moves to a node
+  that admits it, keeping its id (:meth:`ClusterBackend.resume`; docs/snapshots.md);
 - a snapshot's calls go to its home; its delete also removes its published copy from the store;
 - a volume's calls go to its node (volumes are node-local: weenv/cluster/_volumes.py), a new volume
   to the node placement picks for volumes, and a create that mounts volumes to their node only
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -231,6 +234,133 @@ class ClusterBackend(Backend):
         answer = await self.node_client(node).commit(env_id, ref=ref)
         await self._refresh(node)
         return answer
+
+    async def resume(self, env_id: str) -> wire.EnvStatus:
+        """Resume the env on its node; a parked (or cold) env its node refuses for room (503
+        ``not_admitted``: what it freed when it parked is taken) moves to a node that admits it
+        (:meth:`_move`), keeping its id."""
+        node = self._node_of(env_id)
+        try:
+            await self.node_client(node).env(env_id).resume()
+        except ApiError as e:
+            if e.kind != "not_admitted":
+                raise
+            return await self._move(env_id, node, e)
+        await self._refresh(node)
+        return wire.EnvStatus(id=env_id, status="running")
+
+    async def _move(self, env_id: str, source: str, refused: ApiError) -> wire.EnvStatus:
+        """Resume paused env ``env_id`` of node ``source`` on another node: a memory commit of its
+        parked image (a filesystem commit of a cold env) on ``source``, published to the store,
+        pulled by a node placement picks, restored there under the same id (processes, memory and
+        files as they were parked; owners, tokens and ports follow the id; its TTL carries over;
+        its addresses are the new node's). Only once it runs there is it killed on ``source``;
+        any failure before leaves it parked on ``source`` and removes what the move made."""
+        cluster, t0 = self.cluster, time.monotonic()
+        src = self.node_client(source)
+        info = await src.env(env_id).refresh()
+        why = f"resume of env {env_id}: node {source} has no room ({refused.detail})"
+        if cluster.store is None:
+            raise HttpError(503, "not_admitted", f"{why}; the gateway has no --store, so the env cannot move "
+                            f"to another node") from None
+        if info.status != "paused" or not info.cold:  # a frozen env holds its room: its resume is never refused
+            raise refused
+        if info.volumes:
+            raise HttpError(503, "not_admitted", f"{why}; it mounts volumes {info.volumes} of that node "
+                            f"(volumes are node-local), so it cannot move") from None
+        snap = (await src.commit(env_id, memory=info.parked)).snapshot
+        cluster._note_snapshot(snap, source)
+        steps = {"commit": time.monotonic()}
+        ref: str | None = None
+        try:
+            rec = await anyio.to_thread.run_sync(cluster.publish, snap)
+            ref = str(rec["ref"])
+            steps["publish"] = time.monotonic()
+            moved = await self._restore_elsewhere(env_id, source, info, rec, why, steps)
+        finally:
+            await self._drop_move_snapshot(env_id, source, snap, ref)
+        steps["cleanup"] = time.monotonic()
+        spent = ", ".join(f"{k} {(t - p) * 1000:.0f}" for (k, t), p in zip(steps.items(), [t0, *steps.values()]))
+        log.info("env %s moved from node %s to node %s to resume (%s): %.0f ms (%s)", env_id, source, moved,
+                 "memory restored" if info.parked else "booted from its files", (time.monotonic() - t0) * 1000, spent)
+        return wire.EnvStatus(id=env_id, status="running")
+
+    async def _restore_elsewhere(self, env_id: str, source: str, info: wire.EnvInfo, rec: dict[str, Any],
+                                 why: str, steps: dict[str, float]) -> str:
+        """Start env ``env_id`` from published snapshot ``rec`` on the best node but ``source``; then
+        end it on ``source``. Returns the node it runs on."""
+        cluster = self.cluster
+        layers = tuple((x[0], int(x[1])) for x in rec["layers"])
+        req = request_for(rec["lock"], snapshot_layers=layers, snapshot=rec["id"], snapshot_home=source,
+                          source=f"published snapshot {rec['ref']}")
+        nodes = [c.node for c in cluster.rank(req) if c.node != source][:3]
+        if not nodes:
+            raise HttpError(503, "not_admitted", f"{why}; no other node admits it either")
+        tried: list[str] = []
+        for name in nodes:
+            ticket = cluster.reserve(name, req)
+            started: str | None = None
+            try:
+                try:
+                    client = self.node_client(name)
+                    pulled = await client.pull_snapshot(str(rec["ref"]))
+                    steps[f"pull@{name}"] = time.monotonic()
+                except (HttpError, DaemonUnavailableError, ApiError) as e:
+                    tried.append(f"{name}: {e}")
+                    continue
+                try:
+                    body = {"snapshot": pulled.id, "env_id": env_id, "restricted": info.restricted}
+                    started = (await client.create_from(body)).id
+                    steps[f"restore@{name}"] = time.monotonic()
+                except (DaemonUnavailableError, ApiError) as e:
+                    tried.append(f"{name}: {e}")
+                    kind = e.kind if isinstance(e, ApiError) else "unavailable"
+                    if kind in ("start_failed", "failed", "unavailable"):  # a record it may have left
+                        await self._quietly(f"ending the failed copy of env {env_id} on node {name}",
+                                            client.kill(env_id))
+                    if kind not in ("not_admitted", "start_failed", "failed", "unavailable"):
+                        raise
+                    continue
+                finally:
+                    await self._quietly(f"deleting snapshot {pulled.id} on node {name}", client.delete_snapshot(pulled.id))
+            finally:
+                cluster.settle(ticket, started)
+            await self._hand_over(env_id, source, name, info)
+            steps["hand-over"] = time.monotonic()
+            return name
+        raise HttpError(503, "not_admitted", f"{why}; the other nodes refused it too: {'; '.join(tried)}")
+
+    async def _hand_over(self, env_id: str, source: str, target: str, info: wire.EnvInfo) -> None:
+        """The env runs on ``target`` now: end its parked copy on ``source`` and route it to
+        ``target``. If ``source`` does not let it go, the new copy goes instead (one env, one node)."""
+        client = self.node_client(target)
+        try:
+            if info.expires_s is not None:  # its TTL runs on where it is
+                await client.env(env_id).set_timeout(max(1.0, info.expires_s - time.time()))
+            await self.node_client(source).kill(env_id)
+        except BaseException as e:
+            log.warning("env %s: moving it to node %s failed at the hand-over (%s): it stays parked on node %s",
+                        env_id, target, e, source)
+            with anyio.CancelScope(shield=True):
+                await self._quietly(f"ending the copy of env {env_id} on node {target}", client.kill(env_id))
+            raise
+        self.cluster.route(env_id, target)
+        await self._refresh(source)
+        await self._refresh(target)
+
+    async def _drop_move_snapshot(self, env_id: str, source: str, snap: str, ref: str | None) -> None:
+        """The move's snapshot goes from ``source`` and the store (a restored env reads its blobs on)."""
+        with anyio.CancelScope(shield=True):
+            await self._quietly(f"deleting snapshot {snap} of env {env_id} on node {source}",
+                                self.node_client(source).delete_snapshot(snap))
+            await anyio.to_thread.run_sync(self.cluster.snapshot_deleted, snap, ref)
+
+    @staticmethod
+    async def _quietly(what: str, call: Any) -> None:
+        try:
+            await call
+        except Exception as e:  # cleanup: logged, never in the way of the answer
+            log.warning("%s: %s", what, e)
 
     async def fork(self, env_id: str, n: int) -> wire.ForkResponse:
         """The env's node forks it when it admits every child; when it refuses for its room (503

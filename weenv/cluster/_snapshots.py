@@ -121,8 +121,9 @@ class Snapshots:
         snap_id = r.tag
         with open_store(r.registry) as store:
             gone = store.delete_manifest(r.repo, snap_id)  # the lock's tag first: no create starts from it
-            for tag in store.list_tags(r.repo):  # then its layers' (publish_snapshot tags them <id>-<i>)
-                if tag.startswith(snap_id + "-") and tag[len(snap_id) + 1:].isdigit():
+            for tag in store.list_tags(r.repo):  # then its layers' and memory packs' (<id>-<i>, <id>-m<i>)
+                rest = tag[len(snap_id) + 1:] if tag.startswith(snap_id + "-") else ""
+                if rest.isdigit() or (rest[:1] == "m" and rest[1:].isdigit()):
                     store.delete_manifest(r.repo, tag)
         with self._lock:
             for key in [k for k, v in self._published.items() if v.get("ref") == ref] + [ref]:

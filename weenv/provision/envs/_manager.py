@@ -39,7 +39,9 @@ from .._errors import (AdmissionError, CgroupError, ContainerNotFoundError, EnvN
                        EnvStateError, ProvisionError)
 from ..cgroups import Cgroup, CgroupBackend
 from ..elastic._monitor import Monitor
+from ..runtime._gvisor import GvisorRuntime
 from ..runtime._idmap import IdMap
+from ..runtime._router import RuntimeRouter
 from ..runtime._seam import Runtime
 from . import _gc, _ports, _state
 from ._commit import Snapshotter
@@ -149,12 +151,25 @@ class EnvManager(EnvProcesses):
                     nursery.start_soon(self.pool_janitor, self.pool_idle_s)
                 nursery.start_soon(self.ttl_loop)
                 nursery.start_soon(self._parking.run)
+                nursery.start_soon(self._probe_gvisor)
                 if self.layer_trees is not None:
                     await nursery.start(self.layer_trees.run, self.trees_in_use)
                 task_status.started()
                 await trio.sleep_forever()
             finally:
                 self.nursery = None
+
+    async def _probe_gvisor(self) -> None:
+        """Find the gVisor platform now, where this node runs gVisor envs, not when the first one
+        starts (:meth:`GvisorRuntime.ensure_platform`); a node that cannot run them says so then."""
+        if not isinstance(self.runtime, RuntimeRouter) or shutil.which("runsc") is None:
+            return
+        try:
+            gvisor = self.runtime.get("gvisor")
+            if isinstance(gvisor, GvisorRuntime):
+                await gvisor.ensure_platform()
+        except Exception as e:  # never the daemon's end: the first gVisor create says it again
+            log.info("gVisor envs cannot run on this node: %s", e)
 
     pool_size = property(lambda self: self._pool.size)  # envs kept started and idle per lock (0: no warm pool)
 
@@ -192,12 +207,15 @@ class EnvManager(EnvProcesses):
 
     async def create(self, plan: Plan, *, snapshot: str | None = None, parent: str | None = None,
                      snapshot_layers: Sequence[SnapshotLayer] = (), start_cpu_cores: float | None = None,
-                     restricted: bool = False, restore_from: str | None = None) -> EnvRecord:
+                     restricted: bool = False, restore_from: str | None = None,
+                     env_id: str | None = None) -> EnvRecord:
         """Start an env for ``plan`` (a lock is used as is; a plan is locked first).
 
         ``snapshot_layers`` (in the embedded store) go on top of the plan's groups: the sealed
         uppers of a snapshot (``restore_from``: its checkpoint image). ``restricted``: a tenant's env (``weenv serve``, non-admin keys), whose
         network can never open the node, loopback, link-local or other envs (:meth:`_check_tenant`).
+        ``env_id``: the env's id instead of a fresh one (a parked env the cluster moves here keeps
+        its id); one this node has is an EnvStateError (409).
         """
         t0 = time.perf_counter()
         # a lock passes through as it is: no worker thread for it (~0.2 ms of a pooled create)
@@ -206,8 +224,11 @@ class EnvManager(EnvProcesses):
         mode = network_policy(lock).mode
         if restricted:
             await self._check_tenant(lock)
+        if env_id is not None and (env_id in self.envs or os.path.lexists(_state.env_dir(self.envs_dir, env_id))):
+            raise EnvStateError("this node has an env of that id already", env_id=env_id)
         # a pooled env was wired unrestricted: a tenant's egress env is always made for it
-        if not snapshot_layers and not restore_from and self.pool_size > 0 and not (restricted and mode == "egress"):
+        if not snapshot_layers and not restore_from and env_id is None and self.pool_size > 0 and \
+                not (restricted and mode == "egress"):
             taken = self._pool.take(lock)
             if taken is not None:
                 taken.restricted = restricted
@@ -218,7 +239,8 @@ class EnvManager(EnvProcesses):
                 log.info("env %s handed out from the warm pool", taken.id)
                 return taken
         return await self._create(lock, t0, snapshot=snapshot, parent=parent, snapshot_layers=snapshot_layers,
-                                  start_cpu_cores=start_cpu_cores, restricted=restricted, restore_from=restore_from)
+                                  start_cpu_cores=start_cpu_cores, restricted=restricted, restore_from=restore_from,
+                                  env_id=env_id)
 
     async def _check_tenant(self, lock: Lock) -> None:
         """A tenant's plan (:func:`._startcheck.tenant_problems`): PlanValidationError (a 400) names each problem."""
@@ -232,7 +254,7 @@ class EnvManager(EnvProcesses):
     async def _create(self, lock: Lock, t0: float, *, snapshot: str | None = None, parent: str | None = None,
                       snapshot_layers: Sequence[SnapshotLayer] = (), pooled: bool = False,
                       start_cpu_cores: float | None = None, restricted: bool = False,
-                      restore_from: str | None = None) -> EnvRecord:
+                      restore_from: str | None = None, env_id: str | None = None) -> EnvRecord:
         runtime = self._runtime_name(lock)
         if runtime == "gvisor" and lock.runtime is None:  # a plan naming gvisor was checked when read
             problem = gvisor_disk_problem(lock, 'this node\'s default runtime "gvisor"')
@@ -244,7 +266,7 @@ class EnvManager(EnvProcesses):
             admission = self.monitor.admit(limits)  # pooled envs make way for real ones
         if not admission:
             raise AdmissionError(f"not admitted: {admission.reason}")
-        rec = EnvRecord(id=_state.new_env_id(lock.name), name=lock.name, lock=plan_to_builtins(lock),
+        rec = EnvRecord(id=env_id or _state.new_env_id(lock.name), name=lock.name, lock=plan_to_builtins(lock),
                         snapshot=snapshot, parent=parent, restricted=restricted,
                         snapshot_layers=[msgspec.to_builtins(layer) for layer in snapshot_layers])
         if lock.ttl_s and not pooled:
@@ -402,8 +424,8 @@ class EnvManager(EnvProcesses):
         return await self._snapshotter.commit(env_id, ref=ref, build_key=build_key)
 
     async def create_from_snapshot(self, snap_id: str, *, restricted: bool = False, restore_from: str | None = None,
-                                   **overrides: Any) -> EnvRecord:
-        """An env from a snapshot, with ``overrides`` applied to its lock (``restricted``: see
+                                   env_id: str | None = None, **overrides: Any) -> EnvRecord:
+        """An env from a snapshot, with ``overrides`` applied to its lock (``restricted``, ``env_id``: see
         :meth:`create`; ``restore_from``: a fork's child, restored from its commit's checkpoint
         directory while the image is sealed)."""
         snap = self.snapshots.get(snap_id)
@@ -417,7 +439,8 @@ class EnvManager(EnvProcesses):
         image = await trio.to_thread.run_sync(self._memory.images.checkout, held) if held else restore_from
         try:
             return await self.create(lock, snapshot=snap.id, parent=snap.source_env, snapshot_layers=snap.layers,
-                                     start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image)
+                                     start_cpu_cores=snap.cpu_quota_cores, restricted=restricted, restore_from=image,
+                                     env_id=env_id)
         finally:
             if held is not None:  # restored (runsc read the whole image): the copy written for it goes
                 await trio.to_thread.run_sync(self._memory.images.release, held)

@@ -59,7 +59,7 @@ class EnvRecord(msgspec.Struct, kw_only=True):
             "groups": [g.get("name") for g in self.lock.get("groups", [])], "rootfs": rootfs_path(envs_dir, self.id),
             "error": self.error, "timings_ms": self.timings_ms, "restricted": self.restricted,
             "user": self.lock.get("user"), "workdir": self.lock.get("workdir"), "volumes": self.volumes,
-            "parked": bool(self.memory_image), "park_at_s": self.park_at_s,
+            "parked": bool(self.memory_image), "cold": self.cold, "park_at_s": self.park_at_s,
             "not_parked_because": self.not_parked_because,
         }
 

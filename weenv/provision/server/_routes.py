@@ -201,10 +201,11 @@ class DaemonApi:
         body = req.decode(wire.CreateRequest)
         overrides = body.overrides.given() if body.overrides is not None else {}
         if body.snapshot is not None:
-            rec = await self.manager.create_from_snapshot(body.snapshot, restricted=body.restricted, **overrides)
+            rec = await self.manager.create_from_snapshot(body.snapshot, restricted=body.restricted,
+                                                          env_id=body.env_id, **overrides)
         else:
             plan = await self._plan_from_request(body, overrides)
-            rec = await self.manager.create(plan, restricted=body.restricted)
+            rec = await self.manager.create(plan, restricted=body.restricted, env_id=body.env_id)
         return json_response(self._env_info(rec), 201)
 
     async def commit(self, req: Request) -> Response:
