@@ -1294,7 +1294,7 @@ def test_a_parked_env_whose_node_filled_up_resumes_on_another_node_with_its_proc
     assert r.status_code == 400 and "$.env_id" in r.text, r.text
     client, root = gw.client(), gw.client("root")
     env = client.create(_gvisor_lock(rw, tmp_path, 0.9))
-    fillers = []
+    fillers, others = [], []
     try:
         (home,) = _listed_on(rw, env.id)
         env.exec("echo parked-state > /root/state")
@@ -1318,6 +1318,25 @@ def test_a_parked_env_whose_node_filled_up_resumes_on_another_node_with_its_proc
         snaps = {s["id"] for s in root.snapshots()}
         with open_store(rw.registry_host) as store:
             published = store.list_tags("ct/snaps")
+        # no node has room: a 503 saying so, and the env still parked on its node, nothing left over
+        others = []
+        for name in rw.node_names():
+            for _ in range(3 if name != home else 0):
+                try:
+                    others.append(rw.cluster.create(rw.plan_bb, node=name, overrides={"cpu": "0.9-1"}))
+                except Exception:
+                    break
+        time.sleep(1.5)  # the gateway's view has the fillers (reports every 0.5 s)
+        with pytest.raises(weenv.ApiError) as err:
+            env.resume()
+        print(f"resume with every node full: {err.value}")
+        assert err.value.status == 503 and home in str(err.value), err.value
+        assert _listed_on(rw, env.id) == [home] and client.get(env.id).info.parked
+        assert {s["id"] for s in root.snapshots()} == snaps
+        with open_store(rw.registry_host) as store:
+            assert store.list_tags("ct/snaps") == published
+        while others:
+            others.pop().kill()
         t0 = time.monotonic()
         env.resume()
         print(f"resume of {env.id} on another node: {(time.monotonic() - t0) * 1000:.0f} ms;",
@@ -1343,7 +1362,7 @@ def test_a_parked_env_whose_node_filled_up_resumes_on_another_node_with_its_proc
         print(f"resume of {env.id} parked on its new node: {(time.monotonic() - t0) * 1000:.0f} ms")
         assert _listed_on(rw, env.id) == where and pid in pids(moved)
     finally:
-        for f in fillers:
+        for f in fillers + others:
             f.kill()
         try:
             env.kill()

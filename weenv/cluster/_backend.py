@@ -294,6 +294,10 @@ class ClusterBackend(Backend):
         req = request_for(rec["lock"], snapshot_layers=layers, snapshot=rec["id"], snapshot_home=source,
                           source=f"published snapshot {rec['ref']}")
         nodes = [c.node for c in cluster.rank(req) if c.node != source][:3]
+        if not nodes:  # the reports may be older than what freed room since: ask the nodes again
+            for name in [n.name for n in cluster.all() if n.name != source]:
+                await self._refresh(name)
+            nodes = [c.node for c in cluster.rank(req) if c.node != source][:3]
         if not nodes:
             raise HttpError(503, "not_admitted", f"{why}; no other node admits it either")
         tried: list[str] = []
