@@ -35,7 +35,6 @@ MAX_FORK = 1024
 MAX_PTY_SIDE = 65535
 MAX_PROCESS_BUFFER_BYTES = 16 << 20  # what weenv-agent keeps at most (its MAX_BUFFER)
 MAX_STDIN_CHUNK_BYTES = 512 << 10  # base64 of it stays under MAX_JSON_BODY_BYTES
-ENV_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"  # what envs/_state.new_env_id makes (a hostname, a path part)
 
 T = TypeVar("T")
 
@@ -60,10 +59,8 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit
 
 
 class ResponseBody(msgspec.Struct, kw_only=True):
-    """Base of what the daemon answers: clients ignore fields they do not know.
-
-    Fields read as attributes (``info.id``); ``info["id"]`` and ``info.get("id")`` read them too,
-    for code written when the clients answered with dicts."""
+    """Base of what the daemon answers: clients ignore fields they do not know. Fields read as
+    attributes (``info.id``); ``info["id"]`` and ``info.get("id")`` too (code from when answers were dicts)."""
 
     def __getitem__(self, name: str) -> Any:
         if name not in self.__struct_fields__:
@@ -193,14 +190,10 @@ class CreateRequest(RequestBody):
     """An image REF, ``oci:DIR[:TAG]`` or ``docker-archive:FILE``, converted once (docs/images.md)."""
     overrides: Overrides | None = None
     restricted: bool = False
-    """Set by ``weenv serve`` for non-admin keys (a tenant's env): the env's network policy can never
-    open the node, loopback, link-local, the egress range or the node's addresses, and DNS answers
-    in them are dropped; ``network = "host"`` is refused. Its forks are restricted too
-    (docs/network.md, "Tenant envs")."""
-    env_id: Annotated[str, Meta(pattern=ENV_ID_PATTERN, max_length=63)] | None = None
-    """The new env's id instead of a fresh one: set by the cluster gateway only, when it moves a
-    parked env to another node (its id, owners and tokens stay); ``weenv serve`` refuses it. An id
-    this node has already is a 409."""
+    """Set by ``weenv serve`` for non-admin keys (a tenant's env, its forks too): its network never opens the
+    node, loopback, link-local, the egress range or node addresses (nor DNS answers in them); no host network."""
+    env_id: Annotated[str, Meta(pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")] | None = None  # as new_env_id makes
+    """Its id, kept: the cluster gateway's, moving a parked env (``weenv serve`` refuses it; one in use: 409)."""
 
     def __post_init__(self) -> None:
         given = [f for f in ("plan", "plan_text", "snapshot", "image") if getattr(self, f) is not None]
