@@ -161,6 +161,7 @@ def package_tasks(tasks_path: str, *, base: Any, ref_template: str, jobs: int = 
     base_lock = _load_base(base) if todo else None  # resolved once for every task
     write_lock = threading.Lock()
     records: list[TaskRecord] = []
+    made: list[str] = []  # the setup steps' snapshots the tasks made (not taken from the step cache)
     os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
     factory = client_factory or (lambda: Client(timeout_s=(setup_timeout_s or 24 * 3600.0) + 120.0))
 
@@ -175,10 +176,14 @@ def package_tasks(tasks_path: str, *, base: Any, ref_template: str, jobs: int = 
                               gitignore=gitignore if task.gitignore is None else task.gitignore,
                               include_git=include_git if task.include_git is None else task.include_git,
                               lock_out=os.path.join(locks_dir, f"{task.id}.lock.toml"), name=task.id,
-                              setup_timeout_s=task.timeout_s or setup_timeout_s, keep_snapshots=keep_snapshots,
+                              # deleted once the batch is done: a task of the same repo running now may
+                              # have one from the step cache (deleted under it: "No such file" of its blob)
+                              setup_timeout_s=task.timeout_s or setup_timeout_s, keep_snapshots=True,
                               network=network,
                               base_dir=tasks_dir, client=c,
                               on_stage=lambda text: emit("stage", task.id, text))
+            with write_lock:
+                made.extend(st["snapshot"] for st in res.steps if not st["cached"] and st["snapshot"])
             rec = TaskRecord(id=task.id, status="ok", ref=res.ref, digest=res.digest, lock=res.lock,
                              uploaded_bytes=res.uploaded_bytes, seconds=round(time.perf_counter() - started, 3),
                              cached=res.cached, commit=res.commit)
@@ -199,6 +204,13 @@ def package_tasks(tasks_path: str, *, base: Any, ref_template: str, jobs: int = 
         with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="weenv-package") as pool:
             for fut in [pool.submit(one, t) for t in todo]:
                 fut.result()
+    if made and not keep_snapshots:
+        with factory() as c:
+            for snap in made:
+                try:
+                    c.delete_snapshot(snap)
+                except WeenvError:
+                    pass  # gone already; gc of the step cache is best effort
     failed = [r.id for r in records if r.status != "ok"]
     return BatchResult(total=len(tasks), ok=len(records) - len(failed), failed=len(failed), skipped=skipped,
                        uploaded_bytes=sum(r.uploaded_bytes for r in records), seconds=time.perf_counter() - t0,
