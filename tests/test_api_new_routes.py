@@ -32,12 +32,14 @@ def test_v1_metrics_pause_and_volumes_are_the_keys_own(served: Served) -> None:
         vid = vol.json()["id"]
         try:
             for method, path in (("GET", f"/v1/envs/{env.id}/metrics"), ("POST", f"/v1/envs/{env.id}/pause?memory=false"),
+                                 ("POST", f"/v1/envs/{env.id}/resume"),
                                  ("GET", f"/v1/volumes/{vid}"), ("GET", f"/v1/volumes/{vid}/files?path=/"),
                                  ("DELETE", f"/v1/volumes/{vid}")):
                 assert _raw(served, method, path, bob).status_code == 404, (method, path)
                 assert _raw(served, method, path, {}).status_code == 401, (method, path)
             assert _raw(served, "GET", f"/v1/envs/{env.id}/metrics", alice).status_code == 200
             for method, path in (("GET", f"/v1/envs%252F{env.id}%252Fmetrics"), ("GET", f"/v1/envs/{env.id}%252Fmetrics"),
+                                 ("POST", f"/v1/envs/{env.id}%252Fresume"),
                                  ("GET", f"/v1/volumes%252F{vid}"), ("DELETE", f"/v1/volumes%252F{vid}"),
                                  ("GET", "/v1/%2576olumes")):
                 r = _raw(served, method, path, alice)
