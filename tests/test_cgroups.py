@@ -375,6 +375,44 @@ class TestV1Host:
         finally:
             h.close()
 
+    def test_a_freeze_stuck_in_freezing_is_kicked_and_a_hopeless_one_thaws(self, v1_backend):
+        # The v1 freezer can stay FREEZING (a task forking or ptrace-stopped, as under gVisor's
+        # ptrace platform, when the state was written); only a new write retries. The stand-in fs
+        # reports FREEZING until the group has been told FROZEN `needed` times.
+        from weenv.provision.cgroups._fs import CgroupFs
+
+        class StuckFreezer(CgroupFs):
+            def __init__(self, needed: int):
+                self.needed, self.writes = needed, []
+
+            def write(self, path, data):
+                if path.endswith("freezer.state"):
+                    self.writes.append(data)
+                super().write(path, data)
+
+            def read(self, path):
+                if path.endswith("freezer.state") and self.writes.count("FROZEN") < self.needed:
+                    return b"FREEZING\n"
+                return super().read(path)
+
+        g = v1_backend.create("stuck")
+        h = Harness("v1", v1_backend, True, True)
+        try:
+            child = h.spawn(g, BUSY)
+            assert child.stdout.readline() == b"up\n"
+            g._fs = fs = StuckFreezer(needed=3)
+            g.freeze()
+            assert fs.writes == ["FROZEN", "THAWED", "FROZEN", "THAWED", "FROZEN"]
+            assert proc_state(child.pid) == "D"
+            g.thaw()
+            g._fs = fs = StuckFreezer(needed=10**6)
+            with pytest.raises(CgroupBusyError, match="still FREEZING after 0.3 s"):
+                g.freeze(timeout_s=0.3)
+            assert fs.writes[-1] == "THAWED"  # not left half-frozen behind a running env
+            wait_for(lambda: proc_state(child.pid) == "R", what="the task to run again")
+        finally:
+            h.close()
+
     def test_pids_limit_makes_fork_fail(self, v1_backend):
         g = v1_backend.create("forks")
         h = Harness("v1", v1_backend, True, True)

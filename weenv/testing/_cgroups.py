@@ -168,7 +168,7 @@ class FakeCgroup(Cgroup):
                 memory_pressure_full_total_us=int(self._stall_us),
             )
 
-    def freeze(self, timeout_s: float = 1.0) -> None:
+    def freeze(self, timeout_s: float = 2.0) -> None:
         with self._lock:
             self._check()
             self._advance()

@@ -159,7 +159,7 @@ class Cgroup(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def freeze(self, timeout_s: float = 1.0) -> None:
+    def freeze(self, timeout_s: float = 2.0) -> None:
         """Stop every process in the group; returns once the kernel reports the group frozen."""
 
     @abc.abstractmethod

@@ -44,6 +44,8 @@ def _unique(paths: list[str | None]) -> list[str]:
     return out
 
 
+_REKICK_S = 0.05  # a v1 group FREEZING this long is thawed and frozen again (see freeze)
+
 class V1Cgroup(Cgroup):
     __slots__ = (
         "name", "_fs", "_files", "_dirs", "_mem", "_cpu", "_acct", "_frz", "_pids", "_unified",
@@ -305,16 +307,27 @@ class V1Cgroup(Cgroup):
         with translate_oserror(self.name, path):
             return self._fs.read(path).strip()
 
-    def freeze(self, timeout_s: float = 1.0) -> None:
+    def freeze(self, timeout_s: float = 2.0) -> None:
+        """Freeze every task, or raise :class:`CgroupBusyError` with the group thawed again.
+
+        The v1 freezer can stay FREEZING when a task was forking or ptrace-stopped (gVisor's ptrace
+        platform) as the state was written; only a new write retries those tasks, so a group still
+        FREEZING after ``_REKICK_S`` is thawed and frozen again (runc's workaround too)."""
         path = f"{self._need(self._frz, 'freezer')}/freezer.state"
         with translate_oserror(self.name, path):
             self._fs.write(path, "FROZEN")
-        deadline = time.monotonic() + timeout_s
-        # FREEZING until every task has stopped; typically well under a millisecond.
-        delay_s = 0.0002
+        start = kicked = time.monotonic()
+        delay_s = 0.0002  # FREEZING until every task has stopped; typically well under a millisecond
         while self._freezer_state() != b"FROZEN":
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - start > timeout_s:
+                self.thaw()  # never leave a half-frozen group behind an env said to be running
                 raise CgroupBusyError(f"still FREEZING after {timeout_s} s", group=self.name, path=path)
+            if now - kicked > _REKICK_S:
+                with translate_oserror(self.name, path):
+                    self._fs.write(path, "THAWED")
+                    self._fs.write(path, "FROZEN")
+                kicked, delay_s = now, 0.0002
             time.sleep(delay_s)
             delay_s = min(delay_s * 2, 0.01)
 

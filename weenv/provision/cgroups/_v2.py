@@ -205,13 +205,14 @@ class V2Cgroup(Cgroup):
         )
         return sample
 
-    def freeze(self, timeout_s: float = 1.0) -> None:
+    def freeze(self, timeout_s: float = 2.0) -> None:
         self._need("freeze")
         self._write("cgroup.freeze", "1")
         deadline = time.monotonic() + timeout_s
         delay_s = 0.0002
         while not self.is_frozen():
             if time.monotonic() > deadline:
+                self.thaw()  # never leave a half-frozen group behind an env said to be running
                 raise CgroupBusyError(
                     f"not frozen after {timeout_s} s", group=self.name, path=self._path("cgroup.events")
                 )
