@@ -118,7 +118,8 @@ def density(series: dict[str, Any]) -> str | None:
     fig, axes = plt.subplots(1, 2 if over else 1, figsize=(11 if over else 6, 4))
     ax = axes[0] if over else axes
     limit = (series.get("slowdown_limit") or [1.10])[0]
-    for sizing, color, marker in (("static", "tab:gray", "s"), ("elastic", "tab:green", "o")):
+    for sizing, color, marker in (("static", "tab:gray", "s"), ("elastic", "tab:green", "o"),
+                                  ("docker", "tab:blue", "^")):
         rs = sorted((r for r in runs if r["sizing"] == sizing), key=lambda r: r["n"])
         ran = [r for r in rs if r["mean_slowdown"] is not None]
         if ran:
@@ -137,7 +138,7 @@ def density(series: dict[str, Any]) -> str | None:
     ax.axvline(10, color="tab:purple", linestyle=":", linewidth=1, label="10x overcommit")
     ax.set_xlabel("memory overcommit: Σ declared max ÷ node RAM")
     ax.set_ylabel("completion time vs the workload alone (%)")
-    ax.set_title("Density: static vs elastic memory sizing")
+    ax.set_title("Density: static vs elastic sizing, and Docker's static limits")
     ax.legend(fontsize=7, loc="upper left")
     if over:
         s = over[0]

@@ -312,6 +312,33 @@ def create_envs(node: Node, n: int, memory: str, *, parallel: bool, tag: str,
     return ids, refused, message
 
 
+def _drive(ids: list[str], one: Any, sampler: Any, done: threading.Event) -> list[dict[str, Any]]:
+    """``one(id)`` for every env at once while ``sampler`` runs in a thread until all are back."""
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+            return list(pool.map(one, ids))
+    finally:
+        done.set()
+        thread.join()
+
+
+def _tally(r: Run, outs: list[dict[str, Any]], base_active_ms: float | None) -> None:
+    """The workload's answers into ``r``: failures (an exit 137 not from a timeout: the OOM killer),
+    results, and each env's slowdown against its own think time plus the active time alone."""
+    for o in outs:
+        if o["exit_code"] != 0:
+            why = "timed out" if o["timed_out"] else f"exit {o['exit_code']}"
+            r.failures.append(f"{o['env']}: {why} {o['stderr']}")
+            if o["exit_code"] == 137 and not o["timed_out"]:
+                r.oom_kills = max(r.oom_kills, 1)  # SIGKILL not from us: the OOM killer
+            continue
+        r.results.append(o)
+        if base_active_ms is not None:
+            r.slowdowns.append(o["total_ms"] / (o["think_ms"] + base_active_ms))
+
+
 def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_active_ms: float | None,
         *, sample_s: float = 0.25, trace_envs: int = 0) -> Run:
     r = Run(sizing, n, memory)
@@ -373,14 +400,7 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
     oom_node_before = node.node_oom_kills()
     with node.client() as c:
         fast0 = c.top()["statistics"]["fast_steps"]
-    thread = threading.Thread(target=sampler, daemon=True)
-    thread.start()
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
-            outs = list(pool.map(one, ids))
-    finally:
-        done.set()
-        thread.join()
+    outs = _drive(ids, one, sampler, done)
     r.wall_s = time.monotonic() - t0
     with node.client() as c:
         top = c.top()
@@ -393,16 +413,7 @@ def run(node: Node, sizing: str, n: int, memory: str, work: Workload, base_activ
         r.fast_steps = top["statistics"]["fast_steps"] - fast0
         kill_all(c)
     r.oom_kills += node.node_oom_kills() - oom_node_before
-    for o in outs:
-        if o["exit_code"] != 0:
-            why = "timed out" if o["timed_out"] else f"exit {o['exit_code']}"
-            r.failures.append(f"{o['env']}: {why} {o['stderr']}")
-            if o["exit_code"] == 137 and not o["timed_out"]:
-                r.oom_kills = max(r.oom_kills, 1)  # SIGKILL not from us: the OOM killer
-            continue
-        r.results.append(o)
-        if base_active_ms is not None:
-            r.slowdowns.append(o["total_ms"] / (o["think_ms"] + base_active_ms))
+    _tally(r, outs, base_active_ms)
     r.series = series
     time.sleep(1.0)  # let the killed envs' memory go back before the next run
     return r
@@ -461,6 +472,133 @@ def cpu_reaction_s(trace: dict[str, list]) -> float | None:
     return None if top is None else top - start
 
 
+# ------------------------------------------------------------------------------------------ docker
+
+
+class DockerNode:
+    """The same node for Docker: a memory cgroup capped at ``memory_bytes`` under the private
+    dockerd's own cgroup parent; every container is placed in it (``--cgroup-parent``) with Docker's
+    static limits, ``--memory M --memory-swap M --cpus 1 --network none``. dockerd, containerd and
+    the shims stay outside the cap (weenv's daemon and envlet are inside theirs)."""
+
+    def __init__(self, peer: Any, memory_bytes: int):
+        self.peer = peer
+        self.memory_bytes = memory_bytes
+        self.parent = f"/{peer.d.cgroup_parent}/density"
+        self.cgroup = f"/sys/fs/cgroup/memory{self.parent}"
+        os.makedirs(self.cgroup, exist_ok=True)  # removed with dockerd's cgroup parent (stop_dockerd)
+        with open(f"{self.cgroup}/memory.limit_in_bytes", "w") as f:
+            f.write(str(memory_bytes))
+
+    def usage_bytes(self) -> int:
+        with open(f"{self.cgroup}/memory.usage_in_bytes") as f:
+            return int(f.read())
+
+    def node_oom_kills(self) -> int:
+        with open(f"{self.cgroup}/memory.oom_control") as f:
+            return int(dict(line.split() for line in f).get("oom_kill", 0))
+
+    def create(self, n: int) -> list[str]:
+        from ._peers import IMAGE
+
+        def one(i: int) -> str:
+            return self.peer.cli("run", "-d", "--network", "none", "--memory", str(MAX_BYTES), "--memory-swap",
+                                 str(MAX_BYTES), "--cpus", "1", "--cgroup-parent", self.parent,
+                                 "--name", f"density-{os.getpid()}-{i}", IMAGE, "sleep", "1000000").stdout.strip()
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            return list(pool.map(one, range(n)))
+
+    def remove(self, ids: list[str]) -> None:
+        for i in range(0, len(ids), 32):
+            self.peer.cli("rm", "-f", *ids[i:i + 32], check=False, timeout_s=300)
+
+
+def docker_run(node: DockerNode, n: int, work: Workload, base_active_ms: float | None,
+               *, sample_s: float = 0.25) -> Run:
+    """:func:`run` for Docker: ``n`` containers idle first, then the workload by one ``docker exec``
+    each, at the same random phases; OOM kills counted at the node's cgroup and by exit 137."""
+    r = Run("docker", n, f"--memory {MAX_BYTES // MIB}m")
+    ids = node.create(n)
+    r.created = len(ids)
+    rng = random.Random(n * 7919 + len("docker"))
+    offsets = {c: (0.0 if n == 1 else rng.uniform(0, work.cycle_s)) for c in ids}
+    seeds = {c: i + 1 for i, c in enumerate(ids)}
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def sampler() -> None:
+        while not done.is_set():
+            r.peak_usage_bytes = max(r.peak_usage_bytes, node.usage_bytes())
+            done.wait(sample_s)
+
+    def one(cid: str) -> dict[str, Any]:
+        time.sleep(max(0.0, t0 + offsets[cid] - time.monotonic()))
+        timeout_s = work.cycles * work.cycle_s * 4 + 120
+        try:
+            p = node.peer.cli("exec", cid, *work.argv(seeds[cid]), check=False, timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"env": cid[:12], "exit_code": -1, "stderr": "", "timed_out": True}
+        out = {"env": cid[:12], "exit_code": p.returncode, "stderr": p.stderr[-300:], "timed_out": False}
+        if p.returncode == 0:
+            out.update(parse_rollout_result(p.stdout))
+        return out
+
+    oom_before = node.node_oom_kills()
+    try:
+        outs = _drive(ids, one, sampler, done)
+    finally:
+        r.wall_s = time.monotonic() - t0
+        r.oom_kills = node.node_oom_kills() - oom_before
+        node.remove(ids)
+    _tally(r, outs, base_active_ms)
+    time.sleep(1.0)
+    return r
+
+
+def docker_density(node: DockerNode, work: Workload, slowdown: float, first_n: int, quick: bool,
+                   log: Any) -> tuple[Run, Run | None, dict[int, Run]]:
+    """The workload alone in Docker, then the largest N that holds (zero OOM kills, every run done,
+    mean slowdown within the bound), searched from ``first_n`` (the N elastic weenv held): one step
+    up from there while it holds, else halving until one holds, then one step between the last N
+    that held and the first that did not."""
+    alone = docker_run(node, 1, work, None)
+    if not alone.results:
+        raise RuntimeError(f"the workload alone failed in Docker: {alone.failures}")
+    a = alone.results[0]
+    active_ms = a["total_ms"] - a["think_ms"]
+    alone.slowdowns = [1.0]
+    log(f"docker alone: {a['total_ms'] / 1000:.1f} s, active {active_ms / 1000:.2f} s")
+    tried: dict[int, Run] = {}
+
+    def try_n(n: int) -> bool:
+        if n not in tried:
+            tried[n] = r = docker_run(node, n, work, active_ms)
+            log(f"docker N={n}: holds={r.holds(slowdown)} slowdown {r.mean_slowdown:.3f} oom {r.oom_kills} "
+                f"failures {len(r.failures)} peak node usage {r.peak_usage_bytes / MIB:.0f} MiB")
+        return tried[n].holds(slowdown)
+
+    n = max(1, first_n)
+    if try_n(n):
+        good, bad = n, 0
+        if not quick:
+            up = max(n + 1, round(n * 1.25))
+            good, bad = (up, 0) if try_n(up) else (n, up)
+    else:
+        good, bad = 0, n
+        while n > 1:
+            n //= 2
+            if try_n(n):
+                good = n
+                break
+            bad = n
+        if good and bad - good > 1 and not quick:
+            mid = (good + bad) // 2
+            if try_n(mid):
+                good = mid
+    return alone, tried.get(good), tried
+
+
 # ------------------------------------------------------------------------------------------ main
 
 
@@ -473,6 +611,7 @@ def main() -> None:
     p.add_argument("--hold-s", type=float, default=None, help="how long each allocation is held (default 1, quick 0.3)")
     p.add_argument("--monitor-hold", default="0.5", help="the daemon's --hold (seconds under-used before halving)")
     p.add_argument("--slowdown", type=float, default=1.10)
+    p.add_argument("--no-docker", action="store_true", help="leave out the Docker peer")
     p.add_argument("--n", default="", help="elastic N values to run (comma-separated) instead of the search")
     args = p.parse_args()
     quick = args.quick
@@ -563,6 +702,19 @@ def main() -> None:
         held = [r for r in tried.values() if r.holds(args.slowdown)]
         best = max(held, key=lambda r: r.n) if held else None
 
+        # (c) Docker with static limits on the same node, same workload and bound
+        docker_best: Run | None = None
+        docker_tried: dict[int, Run] = {}
+        docker_alone: Run | None = None
+        if not args.no_docker:
+            from ._peers import peers
+
+            with peers(str(Path(node.home) / "src"), report, names=("docker",)) as ps:
+                if "docker" in ps:
+                    dnode = DockerNode(ps["docker"], node_bytes)
+                    docker_alone, docker_best, docker_tried = docker_density(
+                        dnode, work, args.slowdown, best.n if best is not None else n10, quick, log)
+
         # -- report ----------------------------------------------------------------------------
         pct = (args.slowdown - 1) * 100
         report.add("the workload alone (static sizing, N=1): completion", b["total_ms"] / 1000, "s",
@@ -593,6 +745,32 @@ def main() -> None:
         else:
             report.add("elastic sizing: largest N held", 0, "envs", goal="≥10x overcommit", ok=False,
                        note="no elastic N tried held: see the per-N rows")
+        if docker_alone is not None:
+            da = docker_alone.results[0]
+            dn = docker_best.n if docker_best is not None else 0
+            fit = node_bytes // MAX_BYTES
+            report.add("docker, static limits, placed by its limits: envs", fit, "envs",
+                       note=f"Σ --memory ≤ node RAM ({fit} x {MAX_BYTES // MIB} MiB on {node_bytes / GIB:g} GiB): what "
+                            "a scheduler that honours the limits (no overcommit) places")
+            report.add("docker, static limits, packed: largest N held", dn, "envs",
+                       note=f"docker run --memory {MAX_BYTES // MIB}m --memory-swap {MAX_BYTES // MIB}m --cpus 1 "
+                            f"--network none into a {node_bytes / GIB:g} GiB memory cgroup (the containers only: "
+                            f"dockerd, containerd and the shims outside it), N past its limits; zero OOM kills and "
+                            f"mean completion ≤{pct:g} % above Docker's own run alone ({da['total_ms'] / 1000:.1f} s) "
+                            "in this run. Nothing in Docker holds that bound: coinciding peaks are OOM-killed")
+            if best is not None and dn:
+                report.add("elastic weenv vs docker packed past its limits: envs held", best.n, "envs", baseline=dn,
+                           baseline_label="docker packed, envs", higher_is_better=True, goal="≥5x",
+                           ok=best.n >= 5 * dn)
+            if best is not None:
+                report.add("elastic weenv vs docker placed by its limits: envs", best.n, "envs", baseline=fit,
+                           baseline_label="docker by its limits, envs", higher_is_better=True)
+            for r in sorted(docker_tried.values(), key=lambda r: r.n):
+                report.add(f"docker N={r.n} ({overcommit(r.n):.1f}x)", (r.mean_slowdown - 1) * 100 if r.slowdowns else 0,
+                           "% slower", ok=r.holds(args.slowdown),
+                           note=f"{r.oom_kills} OOM kills, {len(r.failures)} failed, peak node usage "
+                                f"{r.peak_usage_bytes / MIB:.0f} MiB"
+                                + (f"; first failure: {r.failures[0][:160]}" if r.failures else ""))
         for r in sorted(tried.values(), key=lambda r: r.n):
             report.add(f"elastic N={r.n} ({overcommit(r.n):.1f}x)", (r.mean_slowdown - 1) * 100 if r.slowdowns else 0,
                        "% slower", ok=r.holds(args.slowdown),
@@ -618,7 +796,7 @@ def main() -> None:
                       "mean_slowdown": r.mean_slowdown if r.slowdowns else None,
                       "max_slowdown": max(r.slowdowns) if r.slowdowns else None, "oom_kills": r.oom_kills,
                       "refused": r.refused, "failures": len(r.failures), "memory_refusals": r.memory_refusals}
-                     for r in [static, extra, *tried.values()]],
+                     for r in [static, extra, *tried.values(), *docker_tried.values()]],
         }
         if best is not None:
             report.series["node_over_time"] = [best.series]

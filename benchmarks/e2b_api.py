@@ -12,6 +12,7 @@ argv), a 1 MiB file write and read, and N sandboxes created at once (64; quick: 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,9 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 
@@ -77,6 +80,38 @@ def _serve(d: DaemonHandle, key: str) -> tuple[subprocess.Popen, str]:  # type: 
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def e2b_front(d: DaemonHandle, lock: str, template: str = "bb") -> Iterator[Any]:
+    """``weenv serve`` in front of ``d`` with an admin key and ``lock`` as template ``template``, the
+    E2B SDK's environment pointed at it: yields the ``e2b`` module; serve stopped and the
+    environment put back at the end."""
+    import e2b
+
+    from weenv.api import KeyStore, TemplateStore
+
+    api_dir = os.path.join(d.home, "api")
+    key = KeyStore(api_dir).create(f"bench-{os.getpid()}", admin=True)
+    TemplateStore(api_dir).set(template, lock)
+    serve, url = _serve(d, key)
+    names = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key})
+    try:
+        yield e2b
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        serve.send_signal(signal.SIGINT)
+        try:
+            serve.wait(10)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()
+
+
 def main() -> None:
     args = arg_parser(__doc__ or "").parse_args()
     starts, cmds, files, concurrent = (10, 50, 5, 8) if args.quick else (100, 300, 20, 64)
@@ -86,19 +121,9 @@ def main() -> None:
     d = _Daemon(home, os.path.join(home, "run", "weenv.sock"), f"weenv-bench-e2b-{os.getpid()}", lock, plan,
                 os.path.join(home, "daemon.log"), None)  # type: ignore[arg-type]
     d.start()
-    serve = None
     try:
-        from weenv.api import KeyStore, TemplateStore
-
-        api_dir = os.path.join(home, "api")
-        key = KeyStore(api_dir).create("bench", admin=True)
         bench_lock = _bench_lock(lock, os.path.join(home, "bench.lock.json"))
-        TemplateStore(api_dir).set("bb", bench_lock)
-        serve, url = _serve(d, key)
-        os.environ.update({"E2B_API_URL": url, "E2B_SANDBOX_URL": url, "E2B_API_KEY": key})
-        import e2b
-
-        with d.client() as c:
+        with e2b_front(d, bench_lock) as e2b, d.client() as c:
             for _ in range(5):  # warm: layers, page cache, the pool filled for this lock, SDK connections
                 s = e2b.Sandbox.create("bb", timeout=120)
                 s.commands.run("echo hi")
@@ -200,13 +225,6 @@ def main() -> None:
             report.add(f"{concurrent} created at once, E2B SDK (all ready)", sw_ * 1000, "ms", baseline=nw_ * 1000,
                        baseline_label="native, same run", note=f"each p50 {median(se) * 1000:.0f} ms")
     finally:
-        if serve is not None:
-            serve.send_signal(signal.SIGINT)
-            try:
-                serve.wait(10)
-            except subprocess.TimeoutExpired:
-                serve.kill()
-                serve.wait()
         left = teardown_private_daemon(d)
         if left:
             print(f"LEAKS: {left}")

@@ -18,7 +18,9 @@ run, those below in random order in every round:
   create comes at least 0.15 s after the previous one, a sampler's pace);
 - the peers (benchmarks/_peers.py), where they run here: ``docker run --rm --network none IMAGE
   echo hi`` against a private dockerd and ``podman run --rm --network none IMAGE echo hi`` with a
-  private store, IMAGE being the same busybox tree ``docker import``-ed / ``podman import``-ed.
+  private store, IMAGE being the same busybox tree ``docker import``-ed / ``podman import``-ed;
+- the unmodified E2B SDK: ``Sandbox.create`` + ``commands.run("echo hi")`` through ``weenv serve``
+  (127.0.0.1) in front of the daemon without a pool, the same lock as template ``bb``.
 
 Then 64 envs created concurrently (async client) and the exec round trip of ``echo`` in a running env;
 then that round trip again, interleaved in random order with ``docker exec`` / ``podman exec`` of
@@ -54,6 +56,7 @@ from weenv.provision.runtime._runtime import sealed_binary
 from weenv.testing import DaemonHandle, busybox_plan, leftovers, teardown_private_daemon
 
 from ._peers import Peer, peers
+from .e2b_api import e2b_front
 from ._util import RESULTS, Report, arg_parser, median, percentile
 
 GOAL_RATIO = 2.0  # p50 without a pool, times the floor's
@@ -144,6 +147,7 @@ def _exec_rounds(c, lock: str, ps: dict[str, Peer], n: int) -> dict[str, list[fl
 def main() -> None:
     ap = arg_parser(__doc__ or "")
     ap.add_argument("--no-peers", action="store_true", help="leave docker and podman out (weenv and the floor only)")
+    ap.add_argument("--no-e2b", action="store_true", help="leave out the E2B SDK row (weenv serve in front)")
     args = ap.parse_args()
     n = 20 if args.quick else 120
     concurrent = 16 if args.quick else 64
@@ -174,7 +178,14 @@ def main() -> None:
         for b in (bare, sealed):
             b.run_once()
         ps = {} if args.no_peers else stack.enter_context(peers(os.path.join(home, "src-busybox"), report))  # ran once
-        times: dict[str, list[float]] = {"weenv": [], "pool": [], "bare": [], "bare_sealed": [], **{k: [] for k in ps}}
+        e2b = None
+        if not args.no_e2b:
+            try:
+                e2b = stack.enter_context(e2b_front(d, lock))
+            except ImportError as e:
+                report.notes.append(f"E2B SDK row skipped: {e}")
+        times: dict[str, list[float]] = {"weenv": [], "pool": [], "bare": [], "bare_sealed": [], "e2b": [],
+                                         **{k: [] for k in ps}}
         steps: list[dict] = []
         misses = 0
         last_pooled = 0.0
@@ -203,6 +214,19 @@ def main() -> None:
             env.kill()
             time.sleep(POOL_PACE_S)  # its refill, off the other measurements
 
+        def e2b_sdk() -> None:
+            t0 = time.perf_counter()
+            sb = e2b.Sandbox.create("bb", timeout=120)
+            out = sb.commands.run("echo hi").stdout
+            times["e2b"].append(time.perf_counter() - t0)
+            assert out == "hi\n", out
+            sb.kill()
+
+        if e2b is not None:
+            for _ in range(3):  # warm: the SDK's connections, serve's code paths
+                e2b_sdk()
+            times["e2b"].clear()
+
         def peer_run(name: str, peer: Peer) -> None:
             t0 = time.perf_counter()
             out = peer.run("echo", "hi")
@@ -211,6 +235,7 @@ def main() -> None:
 
         runs = {"weenv": weenv, "pool": pooled, "bare": lambda: times["bare"].append(bare.run_once()),
                 "bare_sealed": lambda: times["bare_sealed"].append(sealed.run_once()),
+                **({"e2b": e2b_sdk} if e2b is not None else {}),
                 **{name: (lambda name=name, peer=peer: peer_run(name, peer)) for name, peer in ps.items()}}
         for _ in range(n):
             for name in random.sample(list(runs), len(runs)):
@@ -296,6 +321,15 @@ def main() -> None:
         if is_docker:
             peer_lines.append(f"goal weenv vs docker run: {peer50 / w50:.2f}x (docker p50 {peer50:.1f} ms / weenv p50 "
                               f"{w50:.1f} ms; ≥ {GOAL_VS_DOCKER:g}x): {'ok' if peer50 / w50 >= GOAL_VS_DOCKER else 'MISSED'}")
+    if times["e2b"]:
+        e50, e99 = median(times["e2b"]) * 1000, percentile(times["e2b"], 99) * 1000
+        docker50 = median(times["docker"]) * 1000 if times.get("docker") else None
+        report.add("E2B SDK through weenv serve: Sandbox.create → first commands.run output", e50, "ms", p99=e99,
+                   baseline=docker50, baseline_label="docker run --rm --network none p50" if docker50 else None,
+                   note=f"the unmodified e2b SDK against weenv serve (127.0.0.1) in front of the daemon without a "
+                        f"pool; {e50 / floor:.1f}x the floor, {e50 / w50:.2f}x the native client's create → first "
+                        "output in the same rounds")
+        report.series["e2b_sdk_ms"] = [x * 1000 for x in times["e2b"]]
     for name, xs in exec_rtts.items():
         if name == "weenv":
             continue

@@ -243,7 +243,9 @@ def archive(fs: RootFS, path: str, send: Callable[[bytes], Any], *, env_id: Call
         raise fs._translate(e, path) from None
     sink = _Sink(send)
     seen: dict[tuple[int, int], str] = {}
-    with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
+    # tarfile's defaults (10 KiB stream blocks, 16 KiB copies) cost 4-5x the time of 1 MiB ones
+    with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT, bufsize=CHUNK) as tar:  # type: ignore[call-overload]
+        tar.copybufsize = CHUNK
         _add(tar, fd, top, env_id, seen, path)
     sink.flush()
     return sink.size
