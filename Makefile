@@ -43,7 +43,8 @@ $(VENV)/.installed: pyproject.toml
 
 # What the image-intake tests fetch from outside 127.0.0.1, fetched here into the fixture cache
 # ($$WEENV_FIXTURE_CACHE): the corpus base (mmdebstrap: Debian minbase + python3 + pip) and the
-# wheels its Dockerfiles install with `pip install --no-index` (pip download, this machine's pip config).
+# wheels its Dockerfiles install with `pip install --no-index` (pip download, this machine's pip config), and the
+# plain minbase tar tests/test_registry_image.py imports.
 corpus-inputs: venv
 	$(PY) -m tests.fixtures_docker prefetch
 

@@ -228,9 +228,12 @@ def docker_corpus(dockerd: Dockerd, registry) -> Iterator[Corpus]:  # type: igno
 
 
 def prefetch() -> None:
-    """What the corpus needs from outside 127.0.0.1, fetched ahead (``make setup``)."""
+    """What the corpus and the image tests need from outside 127.0.0.1 (a Debian mirror, the PyPI
+    mirror), fetched ahead by ``make corpus-inputs``, so that ``make test`` does not spend its time
+    budget in mmdebstrap (~30 s a tar on a fresh machine)."""
     print("corpus base:", base_tarball())
     print("corpus wheels:", corpus_wheels())
+    print("debian minbase (tests/test_registry_image.py):", debian_tar())
 
 
 if __name__ == "__main__":
