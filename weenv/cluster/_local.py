@@ -162,8 +162,9 @@ class LocalCluster:
             head["ray_client_server_port"] = self.ray_client_port  # on node_ip_address: 127.0.0.1
         try:
             self.ray_cluster = RayCluster(initialize_head=True, head_node_args=head)
-            for i in range(1, self.nodes):
-                self.ray_cluster.add_node(**node_args(i))
+            for i in range(1, self.nodes):  # the worker nodes start side by side
+                self.ray_cluster.add_node(wait=False, **node_args(i))
+            self.ray_cluster.wait_for_nodes(timeout=120)
             ray.init(address=self.ray_cluster.address, _node_ip_address="127.0.0.1", namespace="weenv",
                      include_dashboard=False, log_to_driver=False)
         except BaseException:
