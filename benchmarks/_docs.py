@@ -43,7 +43,8 @@ def _fmt(v: Any) -> str:
 
 PLOTTERS = {"start": _plots.start_latency, "envlet_lazy_start": _plots.lazy_bytes_over_time,
             "corpus": _plots.corpus_bytes, "intake": _plots.intake_times,
-            "density": lambda data: _plots.write_all({"density": data})}
+            "density": lambda data: _plots.write_all({"density": data}),
+            "repo_rollout": lambda data: _plots.rollout_throughput(data.get("series", {}))}
 
 
 def _peers_section(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -25,10 +25,12 @@ def _pyplot():  # type: ignore[no-untyped-def]
 
 
 def _save(fig: Any, name: str) -> str:
+    """Lay out, write and close ``fig``; its path relative to docs/."""
+    fig.tight_layout()
     PLOTS.mkdir(parents=True, exist_ok=True)
-    path = PLOTS / name
-    fig.savefig(path, dpi=110)
-    return f"benchmarks/{name}"  # relative to docs/
+    fig.savefig(PLOTS / name, dpi=110)
+    _pyplot().close(fig)
+    return f"benchmarks/{name}"
 
 
 def start_latency(data: dict[str, Any]) -> str | None:
@@ -57,10 +59,7 @@ def start_latency(data: dict[str, Any]) -> str | None:
     ax.set_ylabel("starts")
     ax.set_title("Start latency distribution per system (same run, interleaved)")
     ax.legend()
-    fig.tight_layout()
-    out = _save(fig, "start_latency.png")
-    plt.close(fig)
-    return out
+    return _save(fig, "start_latency.png")
 
 
 def lazy_bytes_over_time(data: dict[str, Any]) -> str | None:
@@ -77,10 +76,7 @@ def lazy_bytes_over_time(data: dict[str, Any]) -> str | None:
     ax.set_ylabel("MB fetched")
     ax.set_title("Bytes fetched over time during a lazy cold start")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = _save(fig, "lazy_bytes_over_time.png")
-    plt.close(fig)
-    return out
+    return _save(fig, "lazy_bytes_over_time.png")
 
 
 def quota_over_time(series: dict[str, Any]) -> str | None:
@@ -103,10 +99,7 @@ def quota_over_time(series: dict[str, Any]) -> str | None:
     ax_mem.set_ylabel("MiB")
     ax_mem.set_xlabel("seconds")
     ax_mem.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    out = _save(fig, "quota_over_time.png")
-    plt.close(fig)
-    return out
+    return _save(fig, "quota_over_time.png")
 
 
 def density(series: dict[str, Any]) -> str | None:
@@ -158,10 +151,7 @@ def density(series: dict[str, Any]) -> str | None:
         ax2.set_xlabel("seconds")
         ax2.set_ylabel("MiB")
         ax2.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    out = _save(fig, "density.png")
-    plt.close(fig)
-    return out
+    return _save(fig, "density.png")
 
 
 def write_all(results: dict[str, dict[str, Any]]) -> list[str]:
@@ -189,10 +179,30 @@ def corpus_bytes(data: dict[str, Any]) -> str | None:
     b.set_xlabel("images holding the content")
     b.set_ylabel("MB (compressed)")
     b.set_title("Sharing histogram")
-    fig.tight_layout()
-    out = _save(fig, "corpus_bytes.png")
-    plt.close(fig)
-    return out
+    return _save(fig, "corpus_bytes.png")
+
+
+def rollout_throughput(series: dict[str, Any]) -> str | None:
+    """Episodes finished over time per system, and their episode times (``benchmarks/repo_rollout.py``)."""
+    systems = [k for k in ("weenv", "docker") if series.get(k)]
+    if not systems:
+        return None
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for k in systems:
+        done = series.get(f"{k}_done_s")
+        if done:
+            a.step([0.0, *done], range(len(done) + 1), where="post", label=k)
+        b.hist(series[k], bins=30, alpha=0.6, label=k)
+    a.set_xlabel("seconds since the first create (pulls included)")
+    a.set_ylabel("episodes finished")
+    a.set_title("Rollout throughput")
+    a.legend()
+    b.set_xlabel("episode seconds (create, patch, tests, result, destroy)")
+    b.set_ylabel("episodes")
+    b.set_title("Episode time")
+    b.legend()
+    return _save(fig, "rollout_throughput.png")
 
 
 def intake_times(data: dict[str, Any]) -> str | None:
@@ -213,7 +223,4 @@ def intake_times(data: dict[str, Any]) -> str | None:
     ax.set_ylim(bottom=0)
     ax.set_title("Pulling a 1 GiB image")
     ax.legend()
-    fig.tight_layout()
-    out = _save(fig, "intake_times.png")
-    plt.close(fig)
-    return out
+    return _save(fig, "intake_times.png")

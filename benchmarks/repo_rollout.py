@@ -146,8 +146,14 @@ def _tar_of(name: str, data: bytes) -> bytes:
 def run_episodes(one: Any, n: int, concurrency: int) -> tuple[float, list[dict[str, Any]]]:
     """``one(i)`` for i < n, ``concurrency`` at once: (wall seconds, the episodes' records)."""
     t0 = time.perf_counter()
+
+    def timed(i: int) -> dict[str, Any]:
+        rec = one(i)
+        rec["done_s"] = time.perf_counter() - t0  # for the throughput curve
+        return rec
+
     with ThreadPoolExecutor(concurrency) as pool:
-        records = list(pool.map(one, range(n)))
+        records = list(pool.map(timed, range(n)))
     return time.perf_counter() - t0, records
 
 
@@ -295,6 +301,14 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
             "counts": {r["patch"]: r["counts"] for r in ok}}
 
 
+def bound_note(docker_share: float) -> str:
+    """What the env can gain at most when the tests' own time is the same on both sides."""
+    return (f"bound: with the tests' own time the same on both sides, an env that cost nothing would run "
+            f"{1 / (1 - docker_share):.2f}x Docker's episodes/min (1 / (1 - its {100 * docker_share:.1f} % overhead "
+            "share)); the 2x goal needs episodes whose env share is larger than the tests' (more cores or "
+            "shorter suites)")
+
+
 def main() -> None:
     ap = arg_parser(__doc__ or "")
     ap.add_argument("--episodes", type=int, default=None)
@@ -390,7 +404,15 @@ def main() -> None:
                    baseline_label="docker pull" if d_rate and k == "weenv" else None)
     for k in sums:
         report.notes.append(f"{k}: test counts per patch: {json.dumps(sums[k]['counts'])}")
+    if d_rate and sums["docker"]["overhead"]:
+        report.notes.append(bound_note(median(sums["docker"]["overhead"])))
     report.series = {k: [r["seconds"] for r in v[1]] for k, v in results.items()}
+    report.series.update({f"{k}_done_s": sorted(r["done_s"] for r in v[1] if r.get("inner_s") is not None)
+                          for k, v in results.items()})
+    if not report.quick:  # a smoke run must not overwrite the published plot
+        from . import _plots
+
+        report.plots = [p for p in (_plots.rollout_throughput(report.series),) if p]
     report.print()
     print("results:", report.save())
 

@@ -165,6 +165,37 @@ def test_node_without_headroom_refuses_then_grants(caplog):
     assert len(refusals) == 1
 
 
+def test_a_finished_burst_gives_its_memory_back_at_once_while_another_env_waits():
+    cfg = PolicyConfig(hold_s=1.0, memory_headroom_bytes=16 * MIB, node_memory_reserve_bytes=512 * MIB)
+    waited: list[float] = []
+
+    async def scenario(monitor, backend):
+        a, b = backend.create("a"), backend.create("b")
+        monitor.add("a", a, HUNGRY)
+        monitor.add("b", b, HUNGRY)
+        # 1600 MiB node less 512 MiB reserve: a's burst (its way to 1 GiB reserved) leaves b no
+        # room, and b's burst fits only once a is back at its min.
+        a.memory_demand_bytes = 900 * MIB
+        while a.limit_bytes < GIB:
+            await trio.sleep(0.2)
+        b.memory_demand_bytes = 600 * MIB
+        await trio.sleep(1)
+        assert b.limit_bytes == 64 * MIB and b.stalled  # waits: a holds its burst
+        assert monitor.snapshot()["node"]["memory_waiters"] == 1
+        assert b"weenv_node_memory_waiters 1.0" in monitor.prometheus_text()
+        a.memory_demand_bytes = 10 * MIB  # a's burst ends
+        ended = trio.current_time()
+        while b.limit_bytes == 64 * MIB:
+            await trio.sleep(0.2)
+        waited.append(trio.current_time() - ended)
+        # The contended hold (0.2 s, not hold_s), then straight to the floor (usage + headroom, at
+        # least the min), not 1024 -> 512 -> 256 -> 128 -> 64 over four 1 s holds.
+        assert memory_history(a)[-1] == 64 and memory_history(a).count(512) == 1  # 512 on the way up only
+
+    run(scenario, cfg=cfg, memory_total_bytes=1600 * MIB)
+    assert waited and waited[0] <= 0.8, waited
+
+
 def test_burst_budget_is_shared_within_a_tick():
     async def scenario(monitor, backend):
         groups = []

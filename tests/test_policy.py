@@ -200,6 +200,37 @@ def test_memory_halving_respects_the_floor_of_usage_plus_headroom():
     assert d.memory_limit_bytes == 440 * MIB  # half would be 400; usage + headroom is 440
 
 
+def test_memory_drops_straight_to_its_floor_while_other_envs_wait_for_memory():
+    cfg = PolicyConfig(hold_s=1.0, memory_headroom_bytes=16 * MIB)
+    s = state(mem=1 * GIB, memory_low_since_s=0.0)
+    cur = sample(5.0, memory_usage_bytes=40 * MIB)
+    # Nobody waits: half per hold, as before.
+    assert decide(s, cur, None, LIMITS, NODE, cfg, now_s=5.0).memory_limit_bytes == 512 * MIB
+    # Two envs wait for headroom: the finished burst gives back everything above usage + headroom
+    # (and never goes under the min), in one step.
+    waiting = msgspec.structs.replace(NODE, memory_waiters=2)
+    d = decide(s, cur, None, LIMITS, waiting, cfg, now_s=5.0)
+    assert (d.memory_change, d.memory_limit_bytes) == ("down", 64 * MIB)
+    assert "2 env(s) wait for memory" in d.reasons[0]
+    d = decide(s, sample(5.0, memory_usage_bytes=100 * MIB), None, LIMITS, waiting, cfg, now_s=5.0)
+    assert d.memory_limit_bytes == 116 * MIB
+    # A hold still applies, the shorter contended one: a first low reading changes nothing, one
+    # that has lasted memory_contended_hold_s (0.2 s, not hold_s) drops the limit.
+    d = decide(state(mem=1 * GIB), cur, None, LIMITS, waiting, cfg, now_s=5.0)
+    assert d.memory_change is None and d.state.memory_low_since_s == 5.0
+    d = decide(d.state, sample(5.1, memory_usage_bytes=40 * MIB), None, LIMITS, waiting, cfg, now_s=5.1)
+    assert d.memory_change is None
+    d = decide(d.state, sample(5.2, memory_usage_bytes=40 * MIB), None, LIMITS, waiting, cfg, now_s=5.2)
+    assert (d.memory_change, d.memory_limit_bytes) == ("down", 64 * MIB)
+    # A contended hold of 0: the first low reading is enough.
+    now = PolicyConfig(hold_s=1.0, memory_headroom_bytes=16 * MIB, memory_contended_hold_s=0.0)
+    d = decide(state(mem=1 * GIB), cur, None, LIMITS, waiting, now, now_s=5.0)
+    assert (d.memory_change, d.memory_limit_bytes) == ("down", 64 * MIB)
+    # Without waiters the same 0.2 s does not complete the hold.
+    d = decide(state(mem=1 * GIB, memory_low_since_s=5.0), cur, None, LIMITS, NODE, cfg, now_s=5.2)
+    assert d.memory_change is None
+
+
 def test_memory_never_below_min():
     cfg = PolicyConfig(hold_s=0.0, memory_headroom_bytes=0)
     d = decide(state(mem=96 * MIB, memory_low_since_s=0.0), sample(5.0, memory_usage_bytes=0), None, LIMITS, NODE,

@@ -68,6 +68,9 @@ from ._common import SIZE  # noqa: E402  (daemon flags)
 @click.option("--memory-burst-reservation/--no-memory-burst-reservation", default=True, show_default=True,
               help="A memory burst starts only if the node can cover the env up to its max (no deadlock "
                    "of half-grown envs on a full node).")
+@click.option("--memory-contended-hold", "memory_contended_hold_s", type=click.FloatRange(0), default=0.2,
+              show_default=True, help="Seconds a finished memory burst keeps its limit while other envs wait for "
+                                      "memory (then straight down to usage + headroom).")
 @click.option("--memory-wait", "memory_wait_s", type=click.FloatRange(0, min_open=True), default=20.0,
               show_default=True, help="Seconds an env may wait at its memory limit for a refused doubling; "
                                       "then the limit becomes hard and the kernel OOM-kills inside the env.")
@@ -116,7 +119,8 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
                egress_table: str | None = None, egress_dns: str | None = None, memory_wait_s: float = 20.0,
                node_name: str | None = None, default_runtime: str | None = None, userns: bool | None = None,
                userns_base: int | None = None, envlet_peer_listen: str | None = None,
-               cluster_token_file: str | None = None, park_after_s: float | None = None) -> None:
+               cluster_token_file: str | None = None, park_after_s: float | None = None,
+               memory_contended_hold_s: float = 0.2) -> None:
     """Run the node daemon in the foreground (the CLI starts it when needed).
 
     `weenv daemon status` tells whether it runs; `weenv daemon stop` stops it (SIGTERM does the same).
@@ -141,6 +145,7 @@ def daemon_cmd(ctx: click.Context, envlet_cache_size: str, cgroup_root: str, mon
         memory_headroom_bytes=memory_headroom, node_memory_reserve_bytes=node_reserve,
         cpu_burst_budget_cores=cpu_burst_budget, cpu_min_overcommit=cpu_min_overcommit,
         memory_burst_reservation=memory_burst_reservation, memory_wait_s=memory_wait_s,
+        memory_contended_hold_s=memory_contended_hold_s,
     )
     config = DaemonConfig(envlet_cache_size_bytes=parse_size(envlet_cache_size), monitor_interval_ms=monitor_interval_ms,
                           monitor_offload=monitor_offload, policy=policy, cgroup_root=cgroup_root)

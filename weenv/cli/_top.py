@@ -55,6 +55,7 @@ def render(top: dict[str, Any], *, now_wall_s: float | None = None) -> Any:
         f"{len(envs)} env{plural} · memory {_bytes(node.get('memory_available_bytes'))} available of "
         f"{_bytes(node.get('memory_total_bytes'))}, {_bytes(node.get('memory_promised_bytes'))} promised, "
         f"{_bytes(node.get('memory_reserved_bytes'))} reserved for bursts, "
+        f"{node.get('memory_waiters', 0)} waiting, "
         f"headroom {_bytes(max(0, node['memory_headroom_bytes'])) if 'memory_headroom_bytes' in node else '-'} · "
         f"cpu burst {_cores(node.get('cpu_burst_committed_cores'))} of {_cores(node.get('cpu_cores'))} cores · "
         f"tick {top.get('interval_ms', '-')} ms (last {stats.get('last_tick_s', 0) * 1000:.1f} ms, "

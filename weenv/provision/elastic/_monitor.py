@@ -542,6 +542,7 @@ class Monitor:
             memory_available_bytes=available,
             memory_promised_bytes=acc[1],
             memory_reserved_bytes=acc[2],
+            memory_waiters=sum(1 for env in self._envs.values() if env.waiting_since is not None),
         )
 
     def _record(self, env: _Env, d: Decision, actual: int | None, error: CgroupError | None, now: float) -> None:

@@ -22,7 +22,10 @@ Rules (see docs/elastic.md for the reasoning and the defaults):
   memory.high) for a node that may never have room. The limit turns elastic again ("elastic")
   once the env no longer asks for more, or with its next doubling or halving.
 - Memory down: usage below ``memory_low_water`` of the limit for ``hold_s`` -> halve, never below
-  usage + ``memory_headroom_bytes`` nor the min.
+  usage + ``memory_headroom_bytes`` nor the min. While other envs wait for memory (a doubling
+  refused for want of node headroom), the hold is ``memory_contended_hold_s`` and the limit drops
+  straight to that floor: halving keeps a finished burst's memory promised for several holds (448
+  MiB, then 224, 112, ...), which the waiting envs need now.
 
 Hysteresis comes from the gaps between the thresholds: right after a doubling the env's load is
 at most about half its new quota (above the quarter that would halve it), and right after a
@@ -120,6 +123,11 @@ class PolicyConfig(msgspec.Struct, frozen=True, kw_only=True):
     memory_wait_s: float = 20.0
     """How long an env may wait at its memory limit for a refused doubling before that limit
     becomes hard (the kernel OOM-kills inside the env there). Bounds every stall."""
+    memory_contended_hold_s: float = 0.2
+    """The memory hold (instead of ``hold_s``, if shorter) while other envs wait for memory: how long
+    a finished burst keeps its limit before it goes straight down to usage + headroom (0: at the
+    first low reading; the default needs two readings a tick apart, so one dip between two
+    allocations does not end a burst)."""
     memory_burst_reservation: bool = True
     """A burst (memory doublings from a limit the env was not already growing from) starts only
     if the node can cover the env up to its max, and that much stays reserved until the burst
@@ -144,6 +152,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     """Sum over managed envs of (limit - usage): memory envs may still take without asking."""
     memory_reserved_bytes: int = 0
     """Sum over bursting envs of (max - limit): what their bursts may still take."""
+    memory_waiters: int = 0
+    """Envs whose memory doubling is being refused for want of headroom (as of the last tick)."""
 
     def memory_headroom_bytes(self, cfg: PolicyConfig) -> int:
         return (
@@ -360,16 +370,22 @@ def decide(
         elif usage < cfg.memory_low_water * limit and limit > lo:
             refused_since = None
             if mem_low_since is None:
-                mem_low_since = now_s
-            elif now_s - mem_low_since >= cfg.hold_s - _EPS_S:
+                mem_low_since = now_s  # a hold of 0 (contended) completes at once
+            if now_s - mem_low_since >= (
+                min(cfg.hold_s, cfg.memory_contended_hold_s) if node.memory_waiters else cfg.hold_s
+            ) - _EPS_S:
                 bursting = False  # the burst is over: its reservation goes back to the node
-                target = max(limit // 2, page_align_up(usage + cfg.memory_headroom_bytes), lo)
+                floor = max(page_align_up(usage + cfg.memory_headroom_bytes), lo)
+                # Others waiting for memory: give back all of it at once, not half per hold.
+                target = floor if node.memory_waiters else max(limit // 2, floor)
                 if target < limit:
                     new_limit, mem_change, mem_last_change = target, "down", now_s
                     hard = False  # the new limit is written elastic
                     reasons.append(
                         f"memory {_mib(limit)} -> {_mib(target)}: used {_mib(usage)} "
-                        f"(< {cfg.memory_low_water:.0%}) for {cfg.hold_s:g} s"
+                        + (f"(< {cfg.memory_low_water:.0%}) for {now_s - mem_low_since:.2g} s, "
+                           f"{node.memory_waiters} env(s) wait for memory" if node.memory_waiters
+                           else f"(< {cfg.memory_low_water:.0%}) for {cfg.hold_s:g} s")
                     )
                 mem_low_since = now_s
         else:

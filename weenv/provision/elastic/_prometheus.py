@@ -93,6 +93,7 @@ def render_prometheus(snapshot: dict[str, Any], stats: MonitorStatistics) -> byt
                 ("memory_available_bytes", "Node memory the kernel could still hand out"),
                 ("memory_promised_bytes", "Sum over envs of (limit - usage)"),
                 ("memory_reserved_bytes", "Sum over bursting envs of (max - limit)"),
+                ("memory_waiters", "Envs whose memory doubling is refused for want of headroom"),
                 ("memory_headroom_bytes", "available - promised - reserve: room for doublings"),
                 ("cpu_cores", "CPU cores the monitor counts"),
                 ("cpu_burst_committed_cores", "Sum over envs of (quota - min)"),
