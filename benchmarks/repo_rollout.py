@@ -28,8 +28,9 @@ the same patch.
 Reported: episodes per minute over the whole run (wall, pulls included); env overhead as a share
 of episode time (episode time minus the test command's own wall time, measured inside: that also
 counts the command's interpreter start, before its timer), and the share of the env's own
-operations (create, patch, destroy), with each phase's median; bytes pulled through the proxy. Goals (issue 32): ≥ 2x Docker's episodes per minute, ≤ 5 % of episode
-time on the env. Quick: 8 episodes, 4 at once (a smoke run, not a measurement).
+operations (create, patch, destroy), with each phase's median; bytes pulled through the proxy.
+Goals (issue 32): ≥ 2x Docker's episodes per minute, ≤ 5 % of episode time on the env. Quick: 8
+episodes, 4 at once (a smoke run, not a measurement).
 """
 
 from __future__ import annotations

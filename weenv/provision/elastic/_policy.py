@@ -371,21 +371,20 @@ def decide(
             refused_since = None
             if mem_low_since is None:
                 mem_low_since = now_s  # a hold of 0 (contended) completes at once
-            if now_s - mem_low_since >= (
-                min(cfg.hold_s, cfg.memory_contended_hold_s) if node.memory_waiters else cfg.hold_s
-            ) - _EPS_S:
+            waiters = node.memory_waiters
+            hold = min(cfg.hold_s, cfg.memory_contended_hold_s) if waiters else cfg.hold_s
+            if now_s - mem_low_since >= hold - _EPS_S:
                 bursting = False  # the burst is over: its reservation goes back to the node
                 floor = max(page_align_up(usage + cfg.memory_headroom_bytes), lo)
                 # Others waiting for memory: give back all of it at once, not half per hold.
-                target = floor if node.memory_waiters else max(limit // 2, floor)
+                target = floor if waiters else max(limit // 2, floor)
                 if target < limit:
                     new_limit, mem_change, mem_last_change = target, "down", now_s
                     hard = False  # the new limit is written elastic
                     reasons.append(
                         f"memory {_mib(limit)} -> {_mib(target)}: used {_mib(usage)} "
-                        + (f"(< {cfg.memory_low_water:.0%}) for {now_s - mem_low_since:.2g} s, "
-                           f"{node.memory_waiters} env(s) wait for memory" if node.memory_waiters
-                           else f"(< {cfg.memory_low_water:.0%}) for {cfg.hold_s:g} s")
+                        f"(< {cfg.memory_low_water:.0%}) for {hold:g} s"
+                        + (f", {waiters} env(s) wait for memory" if waiters else "")
                     )
                 mem_low_since = now_s
         else:
