@@ -524,6 +524,58 @@ def test_e2b_pause_parks_a_gvisor_sandbox_and_connect_restores_its_processes(e2b
         s.kill()
 
 
+def test_e2b_fork_copies_a_gvisor_sandbox_with_its_running_processes(e2b_served, daemon, tmp_path,
+                                                                     gvisor_platform):
+    """E2B's fork of a gVisor sandbox is a memory fork: every copy has the parent's counter process,
+    counting on from the instant of the fork (before: a filesystem fork, fresh processes)."""
+    e2b = pytest.importorskip("e2b")
+    from weenv.api import TemplateStore
+
+    TemplateStore(os.path.join(daemon.home, "api")).set("bbgvfork", _gvisor_lock(daemon, tmp_path))
+    s = e2b.Sandbox.create("bbgvfork", timeout=120)
+    children: list = []
+    try:
+        with daemon.client() as c:
+            (env_id,) = [e["id"] for e in c.list()]
+            pid = start_counter(c.get(env_id))
+            time.sleep(0.3)
+            at_fork = read_counter(c.get(env_id), pid)
+        children = s.fork(count=2)
+        assert len(children) == 2 and not any(isinstance(ch, Exception) for ch in children), children
+        with daemon.client() as c:
+            for ch in children:
+                env = c.get(ch.sandbox_id)
+                assert env.info["snapshot"], env.info
+                assert c.snapshot(env.info["snapshot"]).memory is not None  # a memory snapshot's copy
+                assert pid in pids(env), ch.sandbox_id
+                assert read_counter(env, pid) >= at_fork
+    finally:
+        for ch in children:
+            if not isinstance(ch, Exception):
+                ch.kill()
+        s.kill()
+
+
+def test_e2b_fork_of_a_crun_sandbox_copies_its_files(e2b_served, daemon, tmp_path):
+    """Where the runtime cannot checkpoint (crun without CRIU >= 4.1), E2B's fork falls back to a
+    filesystem fork instead of failing with the memory refusal."""
+    e2b = pytest.importorskip("e2b")
+    s = e2b.Sandbox.create("bb", timeout=60)  # the busybox lock, on crun
+    children: list = []
+    try:
+        s.files.write("/tmp/marker", "parent")
+        children = s.fork(count=1)
+        assert not isinstance(children[0], Exception), children
+        assert children[0].files.read("/tmp/marker") == "parent"
+        with daemon.client() as c:
+            assert c.snapshot(c.get(children[0].sandbox_id).info["snapshot"]).memory is None
+    finally:
+        for ch in children:
+            if not isinstance(ch, Exception):
+                ch.kill()
+        s.kill()
+
+
 @pytest.fixture
 def e2b_served(request, daemon, monkeypatch):
     served = request.getfixturevalue("weenv_serve")

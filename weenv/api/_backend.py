@@ -50,9 +50,10 @@ class Backend(abc.ABC):
             raise HttpError(503, "daemon_unavailable", "no daemon answers")
         return daemons[0]
 
-    async def fork(self, env_id: str, n: int) -> wire.ForkResponse:
-        """``n`` children of env ``env_id`` at the state it has now (all or none)."""
-        return await self.for_env(env_id).fork(env_id, n)
+    async def fork(self, env_id: str, n: int, *, memory: bool = False) -> wire.ForkResponse:
+        """``n`` children of env ``env_id`` at the state it has now (all or none); ``memory``: with
+        its running processes (409 ``memory_unavailable`` where the runtime cannot checkpoint)."""
+        return await self.for_env(env_id).fork(env_id, n, memory=memory)
 
     async def commit(self, env_id: str, *, ref: str | None = None) -> wire.CommitResponse:
         return await self.for_env(env_id).commit(env_id, ref=ref)

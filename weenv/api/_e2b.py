@@ -378,7 +378,7 @@ async def fork(request: Request) -> Response:
     admission = await _tenant.admit_fork(state, key, rec, {"n": count})
     try:
         async with daemon_errors():
-            answer = await state.backend.fork(env_id, count)
+            answer = await fork_env(state, env_id, count)
         results = _record_forked(state, key, env_id, rec, answer, timeout_s, admission.record())
     finally:
         admission.release()
@@ -390,6 +390,18 @@ async def fork(request: Request) -> Response:
             result.clear()
             result["error"] = {"code": e.status, "message": e.message}
     return _json(results, 201)
+
+
+async def fork_env(state: ApiState, env_id: str, n: int) -> ForkResponse:
+    """E2B's fork copies a running sandbox: with its processes and their memory where the runtime
+    can checkpoint (gVisor) and the env's node has room for the copies, else its files (crun envs
+    start their copies fresh from them; a cluster may spread those over nodes)."""
+    try:
+        return await state.backend.fork(env_id, n, memory=True)
+    except DaemonError as e:
+        if e.kind not in ("memory_unavailable", "not_admitted"):
+            raise
+    return await state.backend.fork(env_id, n)
 
 
 def _record_forked(state: ApiState, key: ApiKey, env_id: str, rec: dict[str, Any], answer: ForkResponse,

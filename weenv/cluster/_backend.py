@@ -366,15 +366,16 @@ class ClusterBackend(Backend):
         except Exception as e:  # cleanup: logged, never in the way of the answer
             log.warning("%s: %s", what, e)
 
-    async def fork(self, env_id: str, n: int) -> wire.ForkResponse:
+    async def fork(self, env_id: str, n: int, *, memory: bool = False) -> wire.ForkResponse:
         """The env's node forks it when it admits every child; when it refuses for its room (503
         ``not_admitted``), :meth:`Cluster.fork_group` places the children: those the node admits
-        there, the rest on other nodes from the snapshot published to the store."""
+        there, the rest on other nodes from the snapshot published to the store. A fork with
+        ``memory`` stays on the env's node (its refusal is the answer)."""
         node = self._node_of(env_id)
         try:
-            answer = await self.node_client(node).fork(env_id, n)
+            answer = await self.node_client(node).fork(env_id, n, memory=memory)
         except ApiError as e:
-            if e.kind != "not_admitted":
+            if e.kind != "not_admitted" or memory:
                 raise
             return await self._spread_fork(env_id, node, n, e)
         await self._refresh(node)
